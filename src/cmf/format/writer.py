@@ -1,0 +1,453 @@
+"""CmfWriter: the streaming, deterministic, atomic writer (REFERENCE_NOTES §1.1, §1.4).
+
+Payloads go to a spool file in the target folder as they are added, so RAM stays bounded by one
+tensor. ``finish()`` lays the file out exactly: envelope at 0, header JSON at 128, directory right
+after it, data at the next multiple of 4096 (tensors 64-aligned, payloads ≥ 16 KiB on 4096),
+then masks, vocab and sparse index back to back. The file is written under a temporary name in the
+same folder, fsynced and renamed into place: a failure never leaves a partial file under the
+target name and never touches an existing file there.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .constants import (
+    DATA_ALIGN,
+    ENVELOPE_SIZE,
+    LARGE_TENSOR_ALIGN,
+    LARGE_TENSOR_BYTES,
+    MAX_NDIM,
+    QUANT_2F_DTYPES,
+    TENSOR_ALIGN,
+    Dtype,
+    Feature,
+    DTYPE_BY_LABEL,
+)
+from .directory import encode_directory
+from .dtypes import validate_payload
+from .envelope import Envelope, Section
+from .errors import BoundsError, CmfError, IoError, ParseError, WriterError
+from .hash64 import hash64, hash64_hex
+from .header import parse_header, serialize_header
+from .masks import MaskSet, encode_masks
+from .sparse_index import build_sparse_index
+
+log = logging.getLogger(__name__)
+
+Payload = bytes | bytearray | memoryview | np.ndarray
+
+
+def align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def tensor_alignment(nbytes: int) -> int:
+    """Alignment of a payload relative to data_off: 4096 for ≥ 16 KiB, else 64."""
+    return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES else TENSOR_ALIGN
+
+
+def as_dtype(dtype: Dtype | int | str) -> Dtype:
+    """Accept a Dtype, its id or its label ("q4tp")."""
+    if isinstance(dtype, str):
+        try:
+            return DTYPE_BY_LABEL[dtype.lower()]
+        except KeyError:
+            raise WriterError(f"unknown dtype {dtype!r}") from None
+    try:
+        return Dtype(int(dtype))
+    except ValueError:
+        raise WriterError(f"unknown dtype id {dtype!r}") from None
+
+
+def payload_view(payload: Payload) -> memoryview:
+    """A flat byte view of a payload (numpy arrays must be C-contiguous)."""
+    if isinstance(payload, np.ndarray):
+        if not payload.flags.c_contiguous:
+            payload = np.ascontiguousarray(payload)
+        return memoryview(payload.reshape(-1).view(np.uint8))
+    mv = memoryview(payload)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A directory record to be written."""
+
+    name: str
+    dtype: Dtype
+    shape: tuple[int, ...]
+    off: int  # relative to data_off
+    nbytes: int
+    hash: int
+
+
+def check_entry(name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview) -> None:
+    """Validate a tensor before it is written: name, shape, dtype and payload layout."""
+    if not isinstance(name, str) or not name:
+        raise WriterError(f"tensor name must be a non-empty string, got {name!r}")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WriterError(f"tensor name {name!r} is not encodable as UTF-8") from None
+    if len(encoded) > 0xFFFF:
+        raise WriterError(f"tensor name of {len(encoded)} bytes is longer than 65535")
+    if len(shape) > MAX_NDIM:
+        raise WriterError(f"tensor {name!r}: {len(shape)} dimensions, at most {MAX_NDIM}")
+    if any((not isinstance(d, (int, np.integer))) or d < 0 or d >= 1 << 32 for d in shape):
+        raise WriterError(f"tensor {name!r}: shape {list(shape)} has a dimension outside u32")
+    try:
+        validate_payload(dtype, shape, view, name)
+    except BoundsError as exc:
+        raise WriterError(str(exc)) from None
+
+
+def feature_bits(dtypes: Iterable[int], has_masks: bool, header: Mapping[str, Any]) -> int:
+    """Feature bits exactly as REFERENCE_NOTES §1.1 says writers set them."""
+    bits = Feature.TENSOR_DIR
+    arch = header.get("arch") or {}
+    if has_masks:
+        bits |= Feature.BINARY_MASKS
+        if int(arch.get("num_loops", 1) or 1) > 1:
+            bits |= Feature.LOOP_MASKS
+    if any(int(d) in QUANT_2F_DTYPES for d in dtypes):
+        bits |= Feature.QUANT_2F
+    if any(isinstance(s, dict) and s.get("base_dir_hash") for s in header.get("skills") or ()):
+        bits |= Feature.SKILL_FILE
+    return int(bits)
+
+
+def finalize_header(header: Mapping[str, Any], sections: Mapping[str, bytes]) -> dict[str, Any]:
+    """Copy of ``header`` with ``section_hashes`` set for exactly the sections written."""
+    out = dict(header)
+    hashes = {k: hash64_hex(sections[k]) for k in ("masks", "vocab", "index") if sections.get(k)}
+    if hashes:
+        out["section_hashes"] = hashes
+    else:
+        out.pop("section_hashes", None)
+    return out
+
+
+def build_head(header: Mapping[str, Any], entries: list[Entry], data_len: int,
+               sections: Mapping[str, bytes]) -> tuple[bytes, int, dict[str, Any]]:
+    """Envelope + header + directory bytes for a fresh file, and the data offset.
+
+    Returns (head, data_off, final_header). Masks/vocab/index follow the data back to back.
+    """
+    final = finalize_header(header, sections)
+    header_bytes = serialize_header(final)
+    try:
+        parsed = parse_header(header_bytes)
+    except ParseError as exc:
+        raise WriterError(f"header is not a valid CMF header: {exc}") from None
+    directory = encode_directory([e.name for e in entries], [int(e.dtype) for e in entries],
+                                 [e.shape for e in entries], [e.off for e in entries],
+                                 [e.nbytes for e in entries], [e.hash for e in entries])
+    header_off = ENVELOPE_SIZE
+    dir_off = header_off + len(header_bytes)
+    data_off = align_up(dir_off + len(directory), DATA_ALIGN)
+    secs = {"header": Section(header_off, len(header_bytes)), "dir": Section(dir_off, len(directory)),
+            "data": Section(data_off, data_len)}
+    cursor = data_off + data_len
+    for name in ("masks", "vocab", "index"):
+        blob = sections.get(name) or b""
+        secs[name] = Section(cursor, len(blob)) if blob else Section(0, 0)
+        cursor += len(blob)
+    env = Envelope(features=feature_bits((e.dtype for e in entries), bool(sections.get("masks")), final),
+                   sections=secs, header_hash=hash64(header_bytes), dir_hash=hash64(directory))
+    del parsed
+    return env.pack() + header_bytes + directory, data_off, final
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so a rename inside it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def copy_range(src_fd: int, dst_fd: int, length: int) -> None:
+    """Copy ``length`` bytes from the start of src to the current end of dst (kernel-side if possible)."""
+    src_off = 0
+    while src_off < length:
+        n = 0
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, length - src_off, src_off)
+        except (AttributeError, OSError):
+            chunk = os.pread(src_fd, min(length - src_off, 1 << 24), src_off)
+            n = os.write(dst_fd, chunk)
+        if n <= 0:
+            raise IoError(f"short copy at byte {src_off} of {length}")
+        src_off += n
+
+
+class _Spool:
+    """A temporary data blob: payloads appended at their aligned relative offsets."""
+
+    def __init__(self, folder: Path, stem: str) -> None:
+        fd, name = tempfile.mkstemp(prefix=f".{stem}.", suffix=".spool", dir=folder)
+        self.fd, self.path = fd, Path(name)
+        self.size = 0
+        self.entries: list[Entry] = []
+        self.estimate = 0
+
+    def add(self, name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview, h: int) -> Entry:
+        off = align_up(self.size, tensor_alignment(len(view)))
+        if off > self.size:
+            os.pwrite(self.fd, bytes(off - self.size), self.size)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(self.fd, view[written:], off + written)
+        self.size = off + len(view)
+        entry = Entry(name, dtype, shape, off, len(view), h)
+        self.entries.append(entry)
+        return entry
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | None,
+                      tail: Iterable[bytes]) -> None:
+    """Write head, zero pad to data_off, the spool's data, then ``tail`` under a temp name; rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp_path = Path(tmp)
+    try:
+        os.write(fd, head + bytes(data_off - len(head)))
+        if spool is not None and spool.size:
+            copy_range(spool.fd, fd, spool.size)
+        for blob in tail:
+            mv = memoryview(blob)
+            while len(mv):
+                mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp_path, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+class CmfWriter:
+    """Streaming writer. ``add()`` tensors, optionally set masks/vocab, then ``finish()``.
+
+    States: open → finished | aborted; calls out of order raise WriterError. As a context manager
+    it finishes on success and aborts (removing every temporary file) on an exception.
+
+    ``max_shard_bytes`` splits tensors greedily in the order added (a new shard starts when the
+    next payload would push a non-empty shard past the limit); shard 1 alone carries masks, vocab,
+    sparse index, ``tokenizer_config`` and ``skills``.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: Mapping[str, Any], *,
+                 max_shard_bytes: int | None = None, sparse_index: bool = False) -> None:
+        self.path = Path(path)
+        if not self.path.parent.is_dir():
+            raise WriterError(f"{self.path.parent}: output folder does not exist")
+        if max_shard_bytes is not None and max_shard_bytes <= 0:
+            raise WriterError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.header: dict[str, Any] = copy.deepcopy(dict(header))
+        self.max_shard_bytes = max_shard_bytes
+        self.sparse_index = sparse_index
+        self._names: set[str] = set()
+        self._spools: list[_Spool] = []
+        self._masks: MaskSet | bytes | None = None
+        self._index_raw: bytes | None = None
+        self._vocab: bytes | None = None
+        self._state = "open"
+        self.outputs: list[Path] = []
+
+    # -- input -----------------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise WriterError(f"writer for {self.path} is {self._state}; no more calls accepted")
+
+    def add(self, name: str, dtype: Dtype | int | str, shape: Iterable[int], payload: Payload, *,
+            hash: int | None = None) -> Entry:
+        """Append one encoded tensor. ``hash`` (if given) must equal hash64(payload)."""
+        self._require_open()
+        dt = as_dtype(dtype)
+        shape_t = tuple(int(d) for d in shape)
+        view = payload_view(payload)
+        check_entry(name, dt, shape_t, view)
+        if name in self._names:
+            raise WriterError(f"duplicate tensor name {name!r}")
+        h = hash64(view)
+        if hash is not None and hash != h:
+            raise WriterError(f"tensor {name!r}: given hash {hash:016x} != hash64 of the payload {h:016x}")
+        spool = self._spool_for(len(view))
+        self._names.add(name)
+        return spool.add(name, dt, shape_t, view, h)
+
+    def add_array(self, name: str, array: np.ndarray, dtype: Dtype | int | str = "f32", **options: Any) -> Entry:
+        """Encode a float array as ``dtype`` (any codec of ``cmf.quant``) and add it."""
+        self._require_open()
+        dt = as_dtype(dtype)
+        arr = np.asarray(array)
+        if dt == Dtype.F32:
+            payload: Payload = np.ascontiguousarray(arr, dtype="<f4")
+        else:
+            from .. import quant  # lazy: codecs sit above the container layer
+
+            payload = quant.encode(arr, dt, **options)
+        return self.add(name, dt, arr.shape, payload)
+
+    def _spool_for(self, nbytes: int) -> _Spool:
+        if not self._spools:
+            self._spools.append(_Spool(self.path.parent, self.path.name))
+        cur = self._spools[-1]
+        if (self.max_shard_bytes is not None and cur.entries
+                and align_up(cur.size, tensor_alignment(nbytes)) + nbytes > self.max_shard_bytes):
+            cur = _Spool(self.path.parent, self.path.name)
+            self._spools.append(cur)
+        return cur
+
+    def set_masks(self, masks: MaskSet | bytes | None, sparse_index: bytes | None = None) -> None:
+        """Masks to write: a MaskSet (encoded at finish) or raw section bytes (copied verbatim)."""
+        self._require_open()
+        self._masks = masks
+        self._index_raw = sparse_index
+
+    def set_vocab(self, tokenizer_json: bytes | str | None) -> None:
+        """The HF tokenizer.json bytes for the vocab section (spec §6)."""
+        self._require_open()
+        self._vocab = tokenizer_json.encode("utf-8") if isinstance(tokenizer_json, str) else tokenizer_json
+
+    def update_header(self, **changes: Any) -> None:
+        """Set top-level header keys (None deletes a key)."""
+        self._require_open()
+        for k, v in changes.items():
+            if v is None:
+                self.header.pop(k, None)
+            else:
+                self.header[k] = v
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [e for s in self._spools for e in s.entries]
+
+    # -- output ----------------------------------------------------------------------------------
+    def _sections(self) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        masks = self._masks
+        if masks is not None:
+            if isinstance(masks, (bytes, bytearray, memoryview)):
+                out["masks"] = bytes(masks)
+                if self._index_raw:
+                    out["index"] = bytes(self._index_raw)
+            else:
+                try:
+                    arch = parse_header(serialize_header(self.header)).arch
+                except ParseError as exc:
+                    raise WriterError(f"header is not a valid CMF header: {exc}") from None
+                out["masks"] = encode_masks(masks, arch)
+                if self.sparse_index:
+                    out["index"] = build_sparse_index(masks, arch)
+        if self._vocab:
+            out["vocab"] = bytes(self._vocab)
+        return out
+
+    def finish(self) -> list[Path]:
+        """Lay out and atomically write the file(s); returns the paths written."""
+        self._require_open()
+        try:
+            spools = self._spools or [_Spool(self.path.parent, self.path.name)]
+            self._spools = spools
+            sections = self._sections()
+            count = len(spools)
+            if count == 1:
+                head, data_off, _ = build_head(self.header, spools[0].entries, spools[0].size, sections)
+                tail = [sections[k] for k in ("masks", "vocab", "index") if sections.get(k)]
+                write_file_atomic(self.path, head, data_off, spools[0], tail)
+                self.outputs = [self.path]
+            else:
+                self.outputs = self._finish_sharded(spools, sections)
+        except BaseException:
+            self.abort()
+            raise
+        for s in self._spools:
+            s.discard()
+        self._state = "finished"
+        return self.outputs
+
+    def _finish_sharded(self, spools: list[_Spool], sections: dict[str, bytes]) -> list[Path]:
+        from .reader import shard_name
+
+        stem = self.path.name[:-4] if self.path.name.endswith(".cmf") else self.path.name
+        count = len(spools)
+        targets = [self.path.with_name(shard_name(stem, no, count)) for no in range(1, count + 1)]
+        for no, (spool, target) in enumerate(zip(spools, targets), start=1):
+            header = dict(self.header)
+            header["shard"] = {"no": no, "count": count}
+            secs = sections if no == 1 else {}
+            if no > 1:
+                header["tokenizer_config"] = None
+                header.pop("skills", None)
+            head, data_off, _ = build_head(header, spool.entries, spool.size, secs)
+            tail = [secs[k] for k in ("masks", "vocab", "index") if secs.get(k)]
+            write_file_atomic(target, head, data_off, spool, tail)
+        return targets
+
+    def abort(self) -> None:
+        """Discard everything written so far (temp files only; targets are never touched)."""
+        for s in self._spools:
+            s.discard()
+        self._spools = []
+        if self._state == "open":
+            self._state = "aborted"
+
+    def __enter__(self) -> "CmfWriter":
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.finish()
+
+    def __del__(self) -> None:  # never leave spool files behind
+        try:
+            if self._state == "open":
+                self.abort()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def write_file(path: str | os.PathLike, header: Mapping[str, Any],
+               tensors: Iterable[tuple[str, Dtype | int | str, Iterable[int], Payload]], *,
+               masks: MaskSet | bytes | None = None, vocab: bytes | None = None,
+               max_shard_bytes: int | None = None, sparse_index: bool = False) -> list[Path]:
+    """One-call writer: ``tensors`` yields (name, dtype, shape, payload)."""
+    with CmfWriter(path, header, max_shard_bytes=max_shard_bytes, sparse_index=sparse_index) as w:
+        for name, dtype, shape, payload in tensors:
+            w.add(name, dtype, shape, payload)
+        if masks is not None:
+            w.set_masks(masks)
+        if vocab is not None:
+            w.set_vocab(vocab)
+    return w.outputs
+
+
+__all__ = ["CmfWriter", "Entry", "write_file", "align_up", "tensor_alignment", "CmfError"]
