@@ -65,9 +65,9 @@ def sample_tensors(seed: int = 0) -> list[tuple[str, str, tuple[int, ...], bytes
 
 def sample_masks() -> MaskSet:
     rng = np.random.default_rng(1)
-    general = TaskMask(task_id=0, name="general", sparsity=0.0, quality=None,
+    general = TaskMask(task_id=0, name="general", sparsity=0.0, quality=None, priority="Fallback",
                        ffn=np.ones((2, 96), bool), heads=np.ones((2, 4), bool), gates=np.ones(2, bool))
-    coding = TaskMask(task_id=1, name="coding", sparsity=0.5,
+    coding = TaskMask(task_id=1, name="coding", sparsity=0.5, priority="Normal",
                       quality={"metric": "heldout_ppl_ratio", "value": 1.02, "baseline_dense": 6.1,
                                "n_samples": 512, "dataset_sha256": "ab" * 32},
                       ffn=rng.random((2, 96)) < 0.5, heads=np.array([[1, 1, 0, 1], [1, 0, 1, 1]], bool),
