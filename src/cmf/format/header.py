@@ -1,0 +1,461 @@
+"""Typed, read-only views of the header JSON (spec §2, §6.1, §9, §10; REFERENCE_NOTES §1.2, §1.12).
+
+The parsed dict is the truth: every view keeps the dict it was built from in ``.raw``, so keys
+this module does not know (``mla``, ``g3n``, ``calibration``, tool-specific provenance, ...)
+survive a read → write round trip byte for byte. The typed fields are a validated projection of
+that dict: a header the Rust reference would refuse (missing required key, wrong JSON type,
+unknown enum string) raises :class:`ParseError` here too, naming the key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
+
+from .constants import LAYER_TYPES, NORM_STYLES, QUANT_TYPES
+from .errors import ParseError
+
+__all__ = [
+    "MTP", "Arch", "Header", "LinearCore", "MoE", "Shard", "SkillRecord", "TokenizerConfig", "Yarn",
+    "as_arch", "parse_header", "parse_json", "serialize_header",
+]
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+# A `\uD800`-`\uDFFF` escape: the only way JSON text can smuggle a lone surrogate into a str,
+# which would later make serialization (``.encode()``) fail outside the error hierarchy.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+# ----------------------------------------------------------------------------- JSON plumbing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")  # NaN/Infinity: serde_json refuses them
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in d:
+            # A duplicate key cannot round-trip through a dict, and readers disagree on which wins.
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def parse_json(raw: bytes | bytearray | memoryview, what: str) -> Any:
+    """Decode strict UTF-8 JSON (no NaN/Infinity, no duplicate keys, no lone surrogates).
+
+    Every failure, including pathological nesting, raises :class:`ParseError` naming ``what``.
+    """
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ParseError(f"{what}: not valid UTF-8 at byte {e.start}") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ParseError(f"{what}: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, our hooks, int-digit limits
+        raise ParseError(f"{what}: not valid JSON ({e})") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ParseError(f"{what}: JSON string contains a lone UTF-16 surrogate") from None
+    return obj
+
+
+def serialize_header(d: Mapping[str, Any]) -> bytes:
+    """Compact, deterministic header bytes (insertion order kept, raw UTF-8, no NaN)."""
+    return json.dumps(d, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+# ----------------------------------------------------------------------------- value checks
+# Each check takes (value, path) and returns the typed value or raises ParseError. JSON `true`
+# is a Python int, so every numeric check excludes bool explicitly.
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
+
+
+def _bad(path: str, want: str, v: Any) -> ParseError:
+    return ParseError(f"header: {path} must be {want}, got {_type_name(v)}")
+
+
+def _str(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(path, "a string", v)
+    return v
+
+
+def _bool(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(path, "a boolean", v)
+    return v
+
+
+def _uint(limit: int) -> Callable[[Any, str], int]:
+    def check(v: Any, path: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+            raise _bad(path, f"an integer in [0, {limit}]", v)
+        return v
+    return check
+
+
+_usize = _uint(_U64_MAX)
+_u32 = _uint(_U32_MAX)
+
+
+def _num(v: Any, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(path, "a number", v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise ParseError(f"header: {path} is out of the float range")
+    return f
+
+
+def _obj(v: Any, path: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _bad(path, "an object", v)
+    return v
+
+
+def _any(v: Any, path: str) -> Any:
+    return v
+
+
+def _tuple_of(check: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple[Any, ...]]:
+    def run(v: Any, path: str) -> tuple[Any, ...]:
+        if not isinstance(v, list):
+            raise _bad(path, "an array", v)
+        return tuple(check(x, f"{path}[{i}]") for i, x in enumerate(v))
+    return run
+
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def check(v: Any, path: str) -> str:
+        if _str(v, path) not in allowed:
+            raise ParseError(f"header: {path} = {v!r} is not one of {', '.join(allowed)}")
+        return v
+    return check
+
+
+def _f(check: Callable[[Any, str], Any], default: Any = MISSING, key: str | None = None) -> Any:
+    """A view field: its check, its default (absent = required) and, if different, its JSON key."""
+    return field(default=default, metadata={"check": check, "key": key})
+
+
+def _raw() -> Any:
+    return field(default_factory=dict, repr=False)
+
+
+def _build(cls: type, d: Any, path: str) -> Any:
+    """Validate ``d`` against the view ``cls`` and build it (``raw`` keeps ``d`` itself)."""
+    if not isinstance(d, dict):
+        raise _bad(path, "an object", d)
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name == "raw":
+            continue
+        key = f.metadata["key"] or f.name
+        required = f.default is MISSING and f.default_factory is MISSING
+        if key not in d:
+            if required:
+                raise ParseError(f"header: {path} is missing required key '{key}'")
+            continue
+        v = d[key]
+        if v is None and not required and f.default is None:
+            kw[f.name] = None  # serde `Option`: null is the same as absent
+            continue
+        kw[f.name] = f.metadata["check"](v, f"{path}.{key}")
+    return cls(raw=d, **kw)
+
+
+def _view(cls: type) -> Callable[[Any, str], Any]:
+    return lambda v, path: _build(cls, v, path)
+
+
+# ----------------------------------------------------------------------------- views
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """Global YaRN RoPE profile (``arch.yarn``)."""
+
+    factor: float = _f(_num)
+    original_max_position_embeddings: int = _f(_usize)
+    beta_fast: float = _f(_num, 32.0)
+    beta_slow: float = _f(_num, 1.0)
+    attention_factor: float = _f(_num, 1.0)
+    mscale_all_dim: float | None = _f(_num, None)
+    raw: dict[str, Any] = _raw()
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts FFN descriptor (``arch.moe``, spec §2.2)."""
+
+    num_experts: int = _f(_usize)
+    top_k: int = _f(_usize)
+    moe_intermediate_size: int = _f(_usize)
+    norm_topk_prob: bool = _f(_bool, False)
+    shared_expert_intermediate_size: int | None = _f(_usize, None)
+    router_sigmoid: bool = _f(_bool, False)
+    routed_scaling_factor: float | None = _f(_num, None)  # None means 1.0
+    router_resonance: bool = _f(_bool, False)
+    raw: dict[str, Any] = _raw()
+
+
+@dataclass(frozen=True)
+class MTP:
+    """Multi-token-prediction head descriptor (``arch.mtp``, spec §2.1)."""
+
+    num_layers: int = _f(_usize)
+    share_lm_head: bool = _f(_bool, True)
+    share_embed: bool = _f(_bool, True)
+    raw: dict[str, Any] = _raw()
+
+
+@dataclass(frozen=True)
+class LinearCore:
+    """Linear-attention operator selector (``arch.linear_core``)."""
+
+    kind: str = _f(_str)  # "gated_delta_net" | "vmf_phase"; open-ended, the runtime decides
+    num_heads: int = _f(_usize)
+    value_head_dim: int = _f(_usize)
+    nphase: int | None = _f(_usize, None)
+    raw: dict[str, Any] = _raw()
+
+
+_opt_usize = (_usize, None)
+_opt_num = (_num, None)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The ``arch`` block: required geometry, defaults per REFERENCE_NOTES §1.2, optional extras."""
+
+    arch_name: str = _f(_str)
+    hidden_size: int = _f(_usize)
+    intermediate_size: int = _f(_usize)
+    num_layers: int = _f(_usize)
+    num_attention_heads: int = _f(_usize)
+    num_kv_heads: int = _f(_usize)
+    head_dim: int = _f(_usize)
+    vocab_size: int = _f(_usize)
+    layer_types: tuple[str, ...] = _f(_tuple_of(_one_of(LAYER_TYPES)))
+    rms_norm_eps: float = _f(_num)
+    max_position_embeddings: int = _f(_usize)
+    norm_style: str = _f(_one_of(NORM_STYLES), "qwen")
+    rope_theta: float = _f(_num, 10000.0)
+    partial_rotary_factor: float = _f(_num, 1.0)
+    hidden_act: str = _f(_str, "silu")
+    embed_multiplier: float = _f(_num, 1.0)
+    num_loops: int = _f(_usize, 1)
+    tie_word_embeddings: bool = _f(_bool, False)
+    loop_final_norm: bool = _f(_bool, False)
+    attn_v_norm: bool = _f(_bool, False)
+    qk_norm_after_rope: bool = _f(_bool, False)
+    yarn: Yarn | None = _f(_view(Yarn), None)
+    moe: MoE | None = _f(_view(MoE), None)
+    mtp: MTP | None = _f(_view(MTP), None)
+    linear_core: LinearCore | None = _f(_view(LinearCore), None)
+    mla: dict[str, Any] | None = _f(_obj, None)
+    g3n: dict[str, Any] | None = _f(_obj, None)
+    attention_heads_per_layer: tuple[int, ...] | None = _f(_tuple_of(_usize), None)
+    sliding_window: int | None = _f(*_opt_usize)
+    sliding_window_pattern: int | None = _f(*_opt_usize)
+    rope_local_base_freq: float | None = _f(*_opt_num)
+    local_partial_rotary_factor: float | None = _f(*_opt_num)
+    query_pre_attn_scalar: float | None = _f(*_opt_num)
+    final_logit_softcapping: float | None = _f(*_opt_num)
+    attn_logit_softcapping: float | None = _f(*_opt_num)
+    global_head_dim: int | None = _f(*_opt_usize)
+    num_global_kv_heads: int | None = _f(*_opt_usize)
+    global_partial_rotary_factor: float | None = _f(*_opt_num)
+    linear_conv_kernel_dim: int | None = _f(*_opt_usize)
+    linear_num_key_heads: int | None = _f(*_opt_usize)
+    linear_num_value_heads: int | None = _f(*_opt_usize)
+    linear_key_head_dim: int | None = _f(*_opt_usize)
+    linear_value_head_dim: int | None = _f(*_opt_usize)
+    rope_freq_factors: tuple[float, ...] | None = _f(_tuple_of(_num), None)
+    logit_multiplier: float | None = _f(*_opt_num)
+    head_clusters: int | None = _f(*_opt_usize)
+    kda_gate_lower_bound: float | None = _f(*_opt_num)
+    activation_situ_beta: float | None = _f(*_opt_num)
+    activation_situ_linear_beta: float | None = _f(*_opt_num)
+    raw: dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Arch:
+        """Validate and view an ``arch`` dict; raises :class:`ParseError`."""
+        return _build(cls, d if isinstance(d, dict) else dict(d), "arch")
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return self.moe.num_experts if self.moe is not None else 0
+
+
+@dataclass(frozen=True)
+class SkillRecord:
+    """One ``skills[]`` registry record (spec §9, §9.1; REFERENCE_NOTES §1.12)."""
+
+    id: str = _f(_str)
+    name: str | None = _f(_str, None)
+    layers: tuple[int, ...] = _f(_tuple_of(_usize), ())
+    selection: dict[str, Any] | None = _f(_obj, None)  # checked in _check_selection
+    input_mask_task: str | None = _f(_str, None)
+    quality: Any = _f(_any, None)  # free JSON (claim-16 contract)
+    base_dir_hash: str | None = _f(_str, None)  # present => standalone SKILL_FILE record
+    base_arch: str | None = _f(_str, None)
+    task: str | None = _f(_str, None)
+    provenance: Any = _f(_any, None)
+    raw: dict[str, Any] = _raw()
+
+
+_SELECTION_REQUIRED = {"metric": _str, "phi_layer": _usize, "mean": _str, "basis": _str,
+                       "rank": _usize}  # `rank` is required by the Rust parser (notes §1.12)
+
+
+def _check_selection(sel: dict[str, Any], path: str) -> None:
+    for key, check in _SELECTION_REQUIRED.items():
+        if key not in sel:
+            raise ParseError(f"header: {path} is missing required key '{key}'")
+        check(sel[key], f"{path}.{key}")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """The chat bundle ``tokenizer_config`` (spec §6.1)."""
+
+    chat_template: str | None = _f(_str, None)
+    eos_token_ids: tuple[int, ...] = _f(_tuple_of(_u32), ())
+    bos_token_id: int | None = _f(_u32, None)
+    pad_token_id: int | None = _f(_u32, None)
+    raw: dict[str, Any] = _raw()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard coordinates (spec §10), 1-based."""
+
+    no: int = _f(_usize)
+    count: int = _f(_usize)
+    raw: dict[str, Any] = _raw()
+
+
+@dataclass(frozen=True)
+class Header:
+    """The whole header. ``raw`` is the parsed dict; views are built from it at parse time."""
+
+    raw: dict[str, Any] = field(repr=False)
+    format: str
+    version: int
+    quant_type: str
+    arch: Arch
+    skills: list[SkillRecord]
+    tokenizer_config: TokenizerConfig | None
+    shard: Shard | None
+    section_hashes: dict[str, str]
+    provenance: Any
+
+    @property
+    def moe(self) -> MoE | None:
+        """``arch.moe``."""
+        return self.arch.moe
+
+    @property
+    def mtp(self) -> MTP | None:
+        """``arch.mtp``."""
+        return self.arch.mtp
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Header:
+        """Validate a header dict (e.g. one a writer assembled) and view it."""
+        return _parse_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A deep copy of the header dict, unknown keys and key order included."""
+        return copy.deepcopy(self.raw)
+
+    def replace(self, changes: Mapping[str, Any] | None = None, *, remove: Iterable[str] = ()) -> Header:
+        """A new, re-validated header with top-level keys set (appended if new) or removed."""
+        d = self.to_dict()
+        for k in remove:
+            d.pop(k, None)
+        d.update(copy.deepcopy(dict(changes or {})))
+        return _parse_dict(d)
+
+    def to_bytes(self) -> bytes:
+        """:func:`serialize_header` of this header."""
+        return serialize_header(self.raw)
+
+
+def _parse_dict(d: Any) -> Header:
+    if not isinstance(d, dict):
+        raise ParseError(f"header: JSON must be an object, got {_type_name(d)}")
+    for key in ("version", "arch", "quant_type"):
+        if key not in d:
+            raise ParseError(f"header: missing required key '{key}'")
+    fmt = _str(d["format"], "format") if "format" in d else "cmf"
+    version = _u32(d["version"], "version")
+    quant_type = _one_of(QUANT_TYPES)(d["quant_type"], "quant_type")
+    arch = _build(Arch, d["arch"], "arch")
+
+    skills_raw = d.get("skills")
+    if skills_raw is None:  # absent, or `null` from a lenient writer: no skills
+        skills_raw = []
+    elif not isinstance(skills_raw, list):
+        raise _bad("skills", "an array", skills_raw)
+    skills = []
+    for i, rec in enumerate(skills_raw):
+        skill = _build(SkillRecord, rec, f"skills[{i}]")
+        if skill.selection is not None:
+            _check_selection(skill.selection, f"skills[{i}].selection")
+        skills.append(skill)
+
+    tok = d.get("tokenizer_config")
+    tokenizer_config = None if tok is None else _build(TokenizerConfig, tok, "tokenizer_config")
+    sh = d.get("shard")
+    shard = None if sh is None else _build(Shard, sh, "shard")
+    if shard is not None and not 1 <= shard.no <= shard.count:
+        raise ParseError(f"header: shard.no = {shard.no} is not in 1..count ({shard.count})")
+
+    hashes: dict[str, str] = {}
+    sh_raw = d.get("section_hashes")
+    if sh_raw is not None:
+        for k, v in _obj(sh_raw, "section_hashes").items():
+            if k in ("masks", "vocab", "index") and v is not None:
+                # Hex validity is a verify() problem (notes §1.11), not an open() error.
+                hashes[k] = _str(v, f"section_hashes.{k}")
+    return Header(raw=d, format=fmt, version=version, quant_type=quant_type, arch=arch,
+                  skills=skills, tokenizer_config=tokenizer_config, shard=shard,
+                  section_hashes=hashes, provenance=d.get("provenance"))
+
+
+def as_arch(obj: Arch | Header | Mapping[str, Any]) -> Arch:
+    """An :class:`Arch` from an Arch, a Header, or a raw ``arch`` dict (validated)."""
+    if isinstance(obj, Arch):
+        return obj
+    if isinstance(obj, Header):
+        return obj.arch
+    return Arch.from_dict(obj)
+
+
+def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Parse and validate header JSON bytes; every problem raises :class:`ParseError`."""
+    return _parse_dict(parse_json(raw, "header"))
