@@ -1,0 +1,148 @@
+"""``cmf <verb>``: the command-line interface.
+
+Each verb lives in ``cmf.tools.<module>`` and is imported only when that verb runs, so
+``cmf --help`` does not load numpy-heavy code or numba. Exit codes (the public contract):
+
+- 0 success;
+- 1 a check found problems (``verify``) or the inputs differ (``diff``);
+- 2 a usage error, or a file that cannot be opened; one line ``cmf: error: <message>`` on stderr
+  (a traceback only with ``-v``).
+
+stdout carries the product (text or ``--json``); errors, logs and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import traceback
+from typing import Sequence
+
+from . import __version__
+from .tools import sanitize
+
+# verb -> (module in cmf.tools, one-line summary). The summaries are repeated by each module's
+# add_parser (tests check that they agree) so that `cmf --help` needs no tool import.
+VERBS: dict[str, tuple[str, str]] = {
+    "info": ("info", "summarize a model: arch, parameters, dtypes by family, sections, skills, masks"),
+    "verify": ("verify", "check the whole hash chain and the detached signature, if any"),
+    "sign": ("sign", "write a detached Ed25519 signature <model>.sig"),
+    "diff": ("diff", "semantic difference of two models (arch, tensors, skills, masks)"),
+    "masks": ("masks", "list the task masks: sparsity, quality, layers touched"),
+    "compact": ("compact", "rewrite a model tightly (drops dead bytes, joins shards)"),
+}
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+def _verb_of(argv: Sequence[str]) -> str | None:
+    """The verb: the first argument that is not a global option (global options take no value)."""
+    for a in argv:
+        if a == "--":
+            return None
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line: ``cmf: error: <message> (see 'cmf X --help')``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _error(f"{message} (see '{self.prog} --help')")
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser(load: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argument parser; the verbs named in ``load`` get their full options (an import each)."""
+    parser = _Parser(
+        prog="cmf", description="Tools for CMF v2 model containers.",
+        epilog="Run 'cmf <command> --help' for a command's options. Exit status: 0 ok, "
+               "1 problems or differences found, 2 usage error or unreadable file.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging on stderr and a traceback on errors")
+    parser.add_argument("--version", action="version", version=f"pycmf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for verb, (module, summary) in VERBS.items():
+        if verb in load:
+            importlib.import_module(f"cmf.tools.{module}").add_parser(sub)
+        else:
+            sub.add_parser(verb, help=summary, add_help=False)
+    return parser
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that looks up sys.stderr at emit time (works under redirection)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.setStream(sys.stderr)
+        super().emit(record)
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"cmf: error: {sanitize(message)}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``cmf`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = _verb_of(argv)
+    parser = build_parser([verb] if verb in VERBS else [])
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version (0) or a usage error (2, message printed)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+
+    verbose = bool(args.verbose)
+    logger = logging.getLogger("cmf")
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("cmf: %(levelname)s: %(name)s: %(message)s"))
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except BrokenPipeError:  # `cmf info X | head`: the reader left; not an error of ours
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: one line, traceback under -v
+        from .format.errors import CmfError
+
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        if isinstance(exc, (CmfError, OSError)):
+            _error(_os_message(exc) if isinstance(exc, OSError) and not isinstance(exc, CmfError) else str(exc))
+        else:
+            _error(f"internal error: {type(exc).__name__}: {exc}"
+                   + ("" if verbose else " (run with -v for the traceback)"))
+        return EXIT_USAGE
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def _os_message(exc: OSError) -> str:
+    """``path: reason`` for an OSError, without Python's ``[Errno N]`` noise."""
+    reason = exc.strerror or str(exc)
+    name = exc.filename
+    return f"{name}: {reason}" if name is not None else reason
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

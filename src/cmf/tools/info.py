@@ -1,0 +1,346 @@
+"""``cmf info``: what a model file contains (spec §2–§7, §9, §12).
+
+:func:`info` returns the summary as plain data: arch, parameter count, a dtype table grouped by
+tensor family with bits per weight, the envelope sections and their sizes, skills, masks and,
+for pipeline containers (§12: ``te.``/``dit.``/``vae.`` namespaces), one entry per component with
+its config JSON. :func:`list_tensors` lists directory entries under a name prefix with totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+from ..format.constants import SECTION_NAMES, Dtype
+from ..format.reader import CmfFile
+from ..format.reader import open as cmf_open
+from ..format.signature import signature_path
+from . import fmt_bytes, fmt_count, print_json, sanitize, table
+
+NAME = "info"
+SUMMARY = "summarize a model: arch, parameters, dtypes by family, sections, skills, masks"
+
+PIPELINE_NAMESPACES = ("te", "dit", "vae")  # spec §12: text encoder, denoiser, VAE decoder
+FAMILY_ORDER = ("embed", "attention", "ffn", "experts", "norms", "lm_head", "other", "skill",
+                *PIPELINE_NAMESPACES)
+
+# Tensor family from the name, first match wins. Norms come before attention so that
+# `self_attn.q_norm.weight` counts as a norm; experts (routed, shared, router) before dense FFN.
+_FAMILY_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("norms", re.compile(r"(^|[._])([a-z0-9_]*norm[a-z0-9_]*|ln_[a-z0-9]+|ln)(\.|$)")),
+    ("embed", re.compile(r"(^|\.)(embed_tokens|tok_embeddings|word_embeddings|wte|embeddings?)(\.|$)")),
+    ("lm_head", re.compile(r"(^|\.)(lm_head|output)(\.|$)")),
+    ("experts", re.compile(r"\.(experts|shared_experts?|router|block_sparse_moe)(\.|$)"
+                           r"|(^|\.)mlp\.gate\.(weight|bias)$|\.shared_expert_gate\.")),
+    ("ffn", re.compile(r"(^|\.)(mlp|feed_forward|ffn|gate_proj|up_proj|down_proj|fc1|fc2|w1|w2|w3)(\.|$)")),
+    ("attention", re.compile(r"(^|\.)(self_attn|attention|attn|linear_attn|q_proj|k_proj|v_proj|o_proj"
+                             r"|qkv_proj|query_key_value)(\.|$)")),
+)
+
+
+def family_of(name: str, pipeline: bool = False) -> str:
+    """The tensor family used by the dtype table: embed, attention, ffn, experts, norms, lm_head,
+    skill (``skill.*`` replacements), other; in a pipeline container, the component namespace."""
+    if name.startswith("skill."):
+        return "skill"
+    if pipeline:
+        ns = name.split(".", 1)[0]
+        if ns in PIPELINE_NAMESPACES:
+            return ns
+    for family, pattern in _FAMILY_RULES:
+        if pattern.search(name):
+            return family
+    return "other"
+
+
+def is_pipeline(names: list[str]) -> bool:
+    """A pipeline container (§12) carries tensors under the ``te.``/``dit.``/``vae.`` namespaces."""
+    return any(n.split(".", 1)[0] in PIPELINE_NAMESPACES for n in names)
+
+
+def _params(t: Any) -> int:
+    """Weights in a tensor; raw-byte u8 blobs (component configs) are not parameters."""
+    return 0 if t.dtype == Dtype.U8 else t.numel
+
+
+def _bpw(nbytes: int, params: int) -> float | None:
+    return round(nbytes * 8 / params, 4) if params else None
+
+
+def _arch_summary(a: Any) -> dict[str, Any]:
+    kinds: dict[str, int] = defaultdict(int)
+    for k in a.layer_types:
+        kinds[k] += 1
+    out: dict[str, Any] = {
+        "arch_name": a.arch_name, "num_layers": a.num_layers, "layer_types": dict(kinds),
+        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads, "num_kv_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+        "max_position_embeddings": a.max_position_embeddings, "rope_theta": a.rope_theta,
+        "norm_style": a.norm_style, "tie_word_embeddings": a.tie_word_embeddings,
+    }
+    if a.num_loops > 1:
+        out["num_loops"] = a.num_loops
+    if a.moe is not None:
+        out["moe"] = {"num_experts": a.moe.num_experts, "top_k": a.moe.top_k,
+                      "moe_intermediate_size": a.moe.moe_intermediate_size}
+    if a.mtp is not None:
+        out["mtp_layers"] = a.mtp.num_layers
+    return out
+
+
+def _component_config(f: CmfFile, ns: str) -> tuple[Any, str | None]:
+    name = f"{ns}.config_json"
+    if name not in f:
+        return None, None
+    try:
+        return json.loads(bytes(f.tensor(name).data).decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, f"{name} is not UTF-8 JSON: {exc}"
+
+
+def _sections(f: CmfFile) -> list[dict[str, Any]]:
+    rows = []
+    for shard, path in enumerate(f.paths):
+        env = f.envelope if shard == 0 else None
+        for name in SECTION_NAMES:
+            n = len(f.section_bytes(name, shard))
+            if not n:
+                continue
+            row: dict[str, Any] = {"name": name, "bytes": n}
+            if env is not None:
+                row["offset"] = env.section(name).off
+            if len(f.paths) > 1:
+                row["file"] = path.name
+            rows.append(row)
+    return rows
+
+
+def _masks_summary(f: CmfFile) -> dict[str, Any] | None:
+    if f.masks is None:
+        return None
+    return {"default_task": f.masks.default_task,
+            "tasks": [{"name": m.name, "sparsity": m.sparsity,
+                       "quality": None if m.quality is None else m.quality.get("value")}
+                      for m in f.masks]}
+
+
+def info(model: str | os.PathLike | CmfFile) -> dict[str, Any]:
+    """Summary of a model (path or open CmfFile) as JSON-ready data; see the module docstring."""
+    if not isinstance(model, CmfFile):
+        with cmf_open(model) as f:
+            return info(f)
+    f = model
+    names = f.keys()
+    pipeline = is_pipeline(names)
+    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    skill_tensors: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    params = skill_params = 0
+    for t in f.tensors():
+        fam = family_of(t.name, pipeline)
+        p = _params(t)
+        g = groups[(fam, t.dtype.label)]
+        g[0] += 1
+        g[1] += p
+        g[2] += t.nbytes
+        if fam == "skill":
+            skill_params += p
+            sid = t.name.split(".", 2)[1] if t.name.count(".") >= 2 else ""
+            s = skill_tensors[sid]
+            s[0] += 1
+            s[1] += p
+            s[2] += t.nbytes
+        else:
+            params += p
+    order = {fam: i for i, fam in enumerate(FAMILY_ORDER)}
+    dtype_table = [
+        {"family": fam, "dtype": dt, "tensors": n, "params": p, "bytes": b, "bits_per_weight": _bpw(b, p)}
+        for (fam, dt), (n, p, b) in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1]))
+    ]
+    h = f.header
+    skills = []
+    for rec in h.skills:
+        n, p, b = skill_tensors.get(rec.id, [0, 0, 0])
+        skills.append({"id": rec.id, "name": rec.name, "layers": list(rec.layers),
+                       "routable": rec.selection is not None, "input_mask_task": rec.input_mask_task,
+                       "quality": rec.quality, "tensors": n, "params": p, "bytes": b,
+                       "base_dir_hash": rec.base_dir_hash})
+    data: dict[str, Any] = {
+        "path": str(f.path),
+        "files": [str(p) for p in f.paths],
+        "size": f.size,
+        "version": f.envelope.version,
+        "features": [flag.name for flag in type(f.features) if flag in f.features],
+        "runnable": f.runnable,
+        "quant_type": h.quant_type,
+        "arch": _arch_summary(h.arch),
+        "tensors": len(names),
+        "parameters": params,
+        "skill_parameters": skill_params,
+        "dtypes": dtype_table,
+        "sections": _sections(f),
+        "header_hash": f"{f.envelope.header_hash:016x}",
+        "dir_hash": f"{f.envelope.dir_hash:016x}",
+        "skills": skills,
+        "masks": _masks_summary(f),
+        "tokenizer": {"vocab_bytes": len(f.section_bytes("vocab")),
+                      "chat_template": bool(h.tokenizer_config and h.tokenizer_config.chat_template)},
+        "signature": signature_path(f.path).exists(),
+    }
+    if pipeline:
+        comps = []
+        for ns in PIPELINE_NAMESPACES:
+            rows = [r for r in dtype_table if r["family"] == ns]
+            if not rows:
+                continue
+            config, error = _component_config(f, ns)
+            comp = {"namespace": ns, "tensors": sum(r["tensors"] for r in rows),
+                    "params": sum(r["params"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
+                    "dtypes": {r["dtype"]: r["tensors"] for r in rows}, "config": config}
+            if error:
+                comp["config_error"] = error
+            comps.append(comp)
+        data["pipeline"] = {"components": comps,
+                            "provenance": h.provenance.get("pipeline") if isinstance(h.provenance, dict) else None}
+    return data
+
+
+def list_tensors(model: str | os.PathLike | CmfFile, prefix: str = "") -> dict[str, Any]:
+    """Directory entries whose name starts with ``prefix`` (all when empty), with totals."""
+    if not isinstance(model, CmfFile):
+        with cmf_open(model) as f:
+            return list_tensors(f, prefix)
+    rows = []
+    for t in model.tensors():
+        if not t.name.startswith(prefix):
+            continue
+        p = _params(t)
+        rows.append({"name": t.name, "dtype": t.dtype.label, "shape": list(t.shape), "params": p,
+                     "bytes": t.nbytes, "bits_per_weight": _bpw(t.nbytes, p), "hash": f"{t.hash:016x}",
+                     "shard": t.shard + 1})
+    return {"prefix": prefix, "tensors": rows,
+            "total": {"tensors": len(rows), "params": sum(r["params"] for r in rows),
+                      "bytes": sum(r["bytes"] for r in rows)}}
+
+
+# ---------------------------------------------------------------------------------- rendering
+
+
+def _fmt_bpw(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _config_line(config: Any, limit: int = 12) -> str:
+    if not isinstance(config, dict):
+        return sanitize(json.dumps(config))[:200]
+    items = []
+    for k, v in config.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            items.append(f"{k}={json.dumps(v) if isinstance(v, str) else v}")
+    more = len(config) - min(len(items), limit)
+    text = ", ".join(items[:limit])
+    return sanitize(text + (f", ... (+{more} more keys)" if more > 0 else ""))
+
+
+def render(d: dict[str, Any]) -> str:
+    """Human-readable text of :func:`info`'s data."""
+    a = d["arch"]
+    files = d["files"]
+    lines = [f"{sanitize(d['path'])}: CMF v{d['version']}, {fmt_bytes(d['size'])}"
+             + (f" in {len(files)} shards" if len(files) > 1 else "")
+             + ("" if d["runnable"] else "  [standalone skill file: not runnable]"),
+             f"features: {', '.join(d['features']) or '-'}"]
+    kinds = ", ".join(f"{n} {k}" for k, n in a["layer_types"].items())
+    lines.append(f"arch: {sanitize(a['arch_name'])}  layers={a['num_layers']} ({sanitize(kinds)})"
+                 + (f" x{a['num_loops']} loops" if "num_loops" in a else ""))
+    lines.append(f"  hidden={a['hidden_size']} intermediate={a['intermediate_size']} "
+                 f"heads={a['num_attention_heads']}/{a['num_kv_heads']}kv head_dim={a['head_dim']} "
+                 f"vocab={a['vocab_size']} ctx={a['max_position_embeddings']} rope_theta={a['rope_theta']:g}")
+    if "moe" in a:
+        m = a["moe"]
+        lines.append(f"  moe: {m['num_experts']} experts, top-{m['top_k']}, "
+                     f"expert intermediate={m['moe_intermediate_size']}")
+    if "mtp_layers" in a:
+        lines.append(f"  mtp: {a['mtp_layers']} layer(s)")
+    lines.append(f"quant_type: {sanitize(d['quant_type'])}")
+    skill_note = f" (+{fmt_count(d['skill_parameters'])} in skill replacements)" if d["skill_parameters"] else ""
+    lines.append(f"parameters: {fmt_count(d['parameters'])} ({d['parameters']:,}){skill_note} "
+                 f"in {d['tensors']} tensors")
+    lines += ["", table([[r["family"], r["dtype"], r["tensors"], fmt_count(r["params"]), fmt_bytes(r["bytes"]),
+                          _fmt_bpw(r["bits_per_weight"])] for r in d["dtypes"]],
+                        ["family", "dtype", "tensors", "params", "size", "bpw"], right=(2, 3, 4, 5))]
+    sec_header = ["section", "offset", "size"] + (["file"] if len(files) > 1 else [])
+    lines += ["", table([[s["name"], s.get("offset", "-"), fmt_bytes(s["bytes"])]
+                         + ([s["file"]] if len(files) > 1 else []) for s in d["sections"]],
+                        sec_header, right=(1, 2))]
+    lines.append(f"hashes: header {d['header_hash']}, dir {d['dir_hash']}")
+    tok = d["tokenizer"]
+    lines.append(f"tokenizer: {fmt_bytes(tok['vocab_bytes']) if tok['vocab_bytes'] else 'none'}"
+                 f"{', chat template' if tok['chat_template'] else ''}")
+    if "pipeline" in d:
+        lines += ["", "pipeline components:"]
+        for c in d["pipeline"]["components"]:
+            dts = ", ".join(f"{n} {k}" for k, n in c["dtypes"].items())
+            lines.append(f"  {c['namespace']}: {c['tensors']} tensors, {fmt_count(c['params'])} params, "
+                         f"{fmt_bytes(c['bytes'])} ({dts})")
+            if c.get("config_error"):
+                lines.append(f"    config: unreadable ({sanitize(c['config_error'])})")
+            elif c["config"] is not None:
+                lines.append(f"    config: {_config_line(c['config'])}")
+    if d["skills"]:
+        lines += ["", table([[s["id"], s["name"] or "-", s["tensors"], fmt_bytes(s["bytes"]),
+                              s["layers"] and ",".join(map(str, s["layers"])) or "-",
+                              "yes" if s["routable"] else "no"] for s in d["skills"]],
+                            ["skill", "name", "tensors", "size", "layers", "routable"], right=(2, 3))]
+    else:
+        lines.append("skills: none")
+    m = d["masks"]
+    if m:
+        tasks = ", ".join(f"{t['name']}{'*' if t['name'] == m['default_task'] else ''} "
+                          f"({t['sparsity']:.3f})" for t in m["tasks"])
+        lines.append(f"masks: {len(m['tasks'])} ({sanitize(tasks)}); * = default; 'cmf masks' for details")
+    else:
+        lines.append("masks: none")
+    lines.append(f"signature: {'present (cmf verify checks it)' if d['signature'] else 'none'}")
+    return "\n".join(lines)
+
+
+def render_tensors(d: dict[str, Any]) -> str:
+    """Text listing of :func:`list_tensors`' data."""
+    rows = [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", fmt_count(t["params"]),
+             fmt_bytes(t["bytes"]), _fmt_bpw(t["bits_per_weight"]), t["hash"]] for t in d["tensors"]]
+    tot = d["total"]
+    return (table(rows, ["name", "dtype", "shape", "params", "size", "bpw", "hash64"], right=(3, 4, 5))
+            + f"\n{tot['tensors']} tensors, {fmt_count(tot['params'])} params, {fmt_bytes(tot['bytes'])}")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``cmf info``."""
+    p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY)
+    p.add_argument("model", metavar="MODEL", help="a .cmf file (any shard of a set)")
+    p.add_argument("--tensors", metavar="PREFIX", nargs="?", const="",
+                   help="list the tensors whose name starts with PREFIX (all without PREFIX)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``cmf info``."""
+    if args.tensors is not None:
+        data = list_tensors(args.model, args.tensors)
+        if args.json:
+            print_json(data)
+        else:
+            print(render_tensors(data))
+    else:
+        data = info(args.model)
+        if args.json:
+            print_json(data)
+        else:
+            print(render(data))
+    return 0
