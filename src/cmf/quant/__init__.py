@@ -1,0 +1,69 @@
+"""The CMF quantization ladder: one codec per dtype, a registry keyed by dtype id.
+
+Public contract::
+
+    data = cmf.quant.encode(array, "q4tp")            # bytes, as the reference encoders write them
+    w = cmf.quant.decode(data, "q4tp", (rows, cols))   # float32 array of that shape
+    part = cmf.quant.decode_rows(data, "q4tp", (rows, cols), [0, 7])
+
+``dtype`` is a spec label (``"f16"``, ``"q8_row"``, ``"q4tp"``, ``"q2tp"``, ...), an alias of the
+converter (``"q8"``, ``"q4"``, ``"q4t"``, ``"q1p"``) or an id. Malformed payloads raise a
+``CmfError`` subclass (``BoundsError``); reserved ids 5/6/7 raise ``UnsupportedDtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..format.constants import Dtype
+from . import float as _float_codecs  # noqa: F401  (registers f32/f16/bf16)
+from . import ladder as _ladder  # noqa: F401
+from . import q1 as _q1  # noqa: F401
+from . import q4 as _q4  # noqa: F401
+from . import q8 as _q8  # noqa: F401
+from . import vbit as _vbit  # noqa: F401
+from .base import Buffer, Codec, get_codec, registered, resolve_dtype
+from .float import f16_round, f16_scale, f32_to_bf16_bits, f32_to_f16_bits
+from .vbit import encode_family as encode_vbit_family
+from .vbit import family_biases as vbit_family_biases
+
+__all__ = [
+    "Codec",
+    "decode",
+    "decode_rows",
+    "encode",
+    "encode_vbit_family",
+    "f16_round",
+    "f16_scale",
+    "f32_to_bf16_bits",
+    "f32_to_f16_bits",
+    "get_codec",
+    "registered",
+    "resolve_dtype",
+    "vbit_family_biases",
+]
+
+
+def encode(array: Any, dtype: Dtype | int | str, **options: Any) -> bytes:
+    """Encode an array (anything numpy converts to float32) as ``dtype``'s payload bytes.
+
+    Options per dtype: vbit/vbit_ro ``mean_bits``, ``bias``; q4tp/q2tp ``search``; q1
+    ``diffusion`` (``"q1p"`` sets it); q1s ``keep``, ``act_rms``; q1t ``keep``, ``act_rms``,
+    ``correct``, ``colmask``.
+    """
+    if isinstance(dtype, str) and dtype.strip().lower() == "q1p":
+        options.setdefault("diffusion", True)
+    return get_codec(dtype).encode(array, **options)
+
+
+def decode(data: Buffer, dtype: Dtype | int | str, shape: Sequence[int]) -> np.ndarray:
+    """Decode a payload to a float32 array of ``shape``."""
+    return get_codec(dtype).decode(data, shape)
+
+
+def decode_rows(data: Buffer, dtype: Dtype | int | str, shape: Sequence[int],
+                rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Decode only ``rows`` (indices of the first axis) of a payload."""
+    return get_codec(dtype).decode_rows(data, shape, rows)
