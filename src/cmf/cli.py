@@ -68,7 +68,10 @@ def build_parser(load: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for verb, (module, summary) in VERBS.items():
         if verb in load:
-            importlib.import_module(f"cmf.tools.{module}").add_parser(sub)
+            p = importlib.import_module(f"cmf.tools.{module}").add_parser(sub)
+            # `cmf info -v X` works too; SUPPRESS keeps a global -v when the verb's is absent.
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
         else:
             sub.add_parser(verb, help=summary, add_help=False)
     return parser

@@ -25,8 +25,8 @@ NAME = "info"
 SUMMARY = "summarize a model: arch, parameters, dtypes by family, sections, skills, masks"
 
 PIPELINE_NAMESPACES = ("te", "dit", "vae")  # spec §12: text encoder, denoiser, VAE decoder
-FAMILY_ORDER = ("embed", "attention", "ffn", "experts", "norms", "lm_head", "other", "skill",
-                *PIPELINE_NAMESPACES)
+FAMILY_ORDER = ("embed", "attention", "ffn", "experts", "norms", "lm_head", *PIPELINE_NAMESPACES,
+                "skill", "other")
 
 # Tensor family from the name, first match wins. Norms come before attention so that
 # `self_attn.q_norm.weight` counts as a norm; experts (routed, shared, router) before dense FFN.
