@@ -118,7 +118,7 @@ def test_python_m_and_console_script(model):
     assert r.stderr == f"cmf: error: {model.with_name('absent.cmf')}: no such file\n"
 
 
-@pytest.mark.parametrize("argv", [[], ["bogus"], ["info"], ["info", "a", "b"], ["compact", "x.cmf"],
+@pytest.mark.parametrize("argv", [[], ["bogus"], ["info"], ["--", "info", "x"], ["info", "a", "b"], ["compact", "x.cmf"],
                                   ["verify", "x.cmf", "--pubkey", "xyz"], ["info", "--nope", "x"]])
 def test_usage_errors_exit_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)
@@ -553,3 +553,21 @@ def test_compact_corrupt_input_exits_2(capsys, fresh, tmp_path):
     code, out, err = run(capsys, "compact", fresh, "-o", tmp_path / "c.cmf")
     assert code == 2 and "corrupt" in err and not (tmp_path / "c.cmf").exists()
     assert os.listdir(tmp_path) == ["m.cmf"]
+
+
+def test_verify_progress_bar_only_on_a_tty(capsys, monkeypatch, fresh, key):
+    from cmf.tools import verify
+
+    monkeypatch.setattr(verify, "PROGRESS_MIN_BYTES", 0)
+    code, out, err = run(capsys, "verify", fresh)
+    assert code == 0 and err == ""  # not a TTY: no bar even for a "large" file
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out2, err = run(capsys, "verify", fresh)
+    assert code == 0 and out2 == out  # stdout carries only the product
+    assert "hash64" in err and "sha256" not in err  # no .sig: no SHA-256 pass
+    run(capsys, "sign", fresh, "--key", key)
+    code, out, err = run(capsys, "verify", fresh)
+    assert code == 0 and "signature: valid" in out and "hash64" in err and "sha256" in err
+    monkeypatch.setattr(verify, "PROGRESS_MIN_BYTES", 10**9)
+    code, out, err = run(capsys, "verify", fresh)
+    assert code == 0 and err == ""  # a TTY but a small file: no bar

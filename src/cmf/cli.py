@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if not hasattr(args, "run"):  # the verb was not where _verb_of looks (e.g. after `--`)
+        _error(f"put the command first: cmf [-v] {args.command} ... (see 'cmf --help')")
+        return EXIT_USAGE
 
     verbose = bool(args.verbose)
     logger = logging.getLogger("cmf")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..format.errors import CmfError, FileNotFound, IoError, SignatureError
 from ..format.reader import open as cmf_open
-from ..format.signature import verify_signature
+from ..format.signature import signature_path, verify_signature
 from . import fmt_bytes, print_json, sanitize
 
 NAME = "verify"
@@ -64,7 +64,8 @@ def verify_model(path: str | os.PathLike, pubkey: str | None = None, *,
     for p in paths:
         entry: dict[str, Any] = {"file": str(p)}
         try:
-            cb = progress("sha256", p.stat().st_size) if progress else None
+            has_sig = signature_path(p).exists()
+            cb = progress("sha256", p.stat().st_size) if progress and has_sig else None
             res = verify_signature(p, pubkey, progress=cb)
         except SignatureError as exc:
             entry.update(status="invalid", error=str(exc))
