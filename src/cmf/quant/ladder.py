@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ..format.constants import GROUP, Dtype
+from . import _fast
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, require_2d, row_block, row_chunks, seq_sum
 from .float import f16_bits_to_f32, f16_scale, f32_to_f16_bits
 from .q4 import NIBBLE_LUT, pack_nibbles
@@ -272,8 +273,15 @@ class _LadderCodec(Codec):
         vals *= self.scales(params, codes, gpr)[..., None]
         return vals.reshape(rows, gpr * GROUP)
 
+    def ladder(self, params: np.ndarray) -> np.ndarray:
+        """Per-row rung tables (rows, 32)."""
+        raise NotImplementedError
+
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
-        return self._decode(*self.split(buf, shape))
+        planes, params, codes = self.split(buf, shape)
+        out = np.empty((planes.shape[0], planes.shape[1] * GROUP), np.float32)
+        _fast.ladder_decode(planes, codes, self.ladder(params), self._table, out)
+        return out
 
     def decode_rows(self, buf, shape, rows):
         planes, params, codes = self.split(buf, shape)
@@ -290,9 +298,13 @@ class Q4tpCodec(_LadderCodec):
     def _encode_rows(self, w, search):
         return encode_q4tp_rows(w, search)
 
+    _table = NIBBLE_LUT
+
+    def ladder(self, params):
+        return q4tp_ladder(*params_f32(params))
+
     def scales(self, params, codes, gpr):
-        t = q4tp_ladder(*params_f32(params))
-        return np.take_along_axis(t, unpack_codes(codes, gpr), axis=1)
+        return np.take_along_axis(self.ladder(params), unpack_codes(codes, gpr), axis=1)
 
     def _values(self, planes):
         return NIBBLE_LUT[planes]
@@ -307,9 +319,13 @@ class Q2tpCodec(_LadderCodec):
     def _encode_rows(self, w, search):
         return encode_q2tp_rows(w, search)
 
+    _table = CRUMB_LUT
+
+    def ladder(self, params):
+        return q2tp_ladder(*params_f32(params))
+
     def scales(self, params, codes, gpr):
-        t = q2tp_ladder(*params_f32(params))
-        return np.take_along_axis(t, unpack_codes(codes, gpr), axis=1)
+        return np.take_along_axis(self.ladder(params), unpack_codes(codes, gpr), axis=1)
 
     def _values(self, planes):
         return CRUMB_LUT[planes]

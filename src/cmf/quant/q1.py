@@ -20,6 +20,7 @@ import numpy as np
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
+from . import _fast
 from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, expand_ranges, require_2d, round_half_away,
                    row_block, row_chunks, seq_sum)
 from .float import f16_scale, f32_to_f16_bits
@@ -97,8 +98,15 @@ def _decode_q1(tiles: np.ndarray) -> np.ndarray:
     return vals
 
 
-def _outlier_count(n: int, keep: float) -> int:
-    keep = np.float32(min(max(float(keep), 0.0), 0.25))
+def _decode_q1_fast(tiles: np.ndarray) -> np.ndarray:
+    out = np.empty((tiles.shape[0], GROUP), np.float32)
+    _fast.q1_decode(tiles.view(np.uint8).reshape(-1, 6), _fast.F16_TABLE, out)
+    return out
+
+
+def _outlier_count(n: int, keep: float, cap: float) -> int:
+    """n_out = round(n·keep) in f32 with Rust's ties-away rounding, keep clamped to [0, cap]."""
+    keep = np.float32(min(max(float(keep), 0.0), cap))
     return min(round_half_away(np.float32(n) * keep), n)
 
 
@@ -155,7 +163,7 @@ class Q1Codec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
-        return _decode_q1(self._tiles_of(buf, shape)).reshape(shape)
+        return _decode_q1_fast(self._tiles_of(buf, shape)).reshape(shape)
 
     def decode_rows(self, buf, shape, rows):
         shape = check_shape(shape)
@@ -182,7 +190,7 @@ class Q1sCodec(Codec):
         w = as_f32(array)
         rows, cols = require_2d(self.id, w.shape)
         n = w.size
-        n_out = _outlier_count(n, keep)
+        n_out = _outlier_count(n, keep, 0.25)  # CMF_Q1S_KEEP is clamped to 0..0.25
         rms = _check_rms(act_rms, cols)
         if rms is not None:
             is_out = _top_mask(w, rms, n_out)
@@ -216,7 +224,7 @@ class Q1sCodec(Codec):
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
         tiles, entries = self._parts(buf, shape)
-        out = _decode_q1(tiles).reshape(-1)
+        out = _decode_q1_fast(tiles).reshape(-1)
         out[entries["index"].astype(np.int64)] = entries["value"].astype(np.float32)
         return out.reshape(shape)
 
@@ -251,7 +259,7 @@ class Q1tCodec(Codec):
         w = as_f32(array)
         rows, cols = require_2d(self.id, w.shape)
         rms = _check_rms(act_rms, cols)
-        is_out = _top_mask(w, rms, _outlier_count(w.size, keep), colmask)
+        is_out = _top_mask(w, rms, _outlier_count(w.size, keep, 1.0), colmask)
         d = (rms.astype(np.float64) ** 2 if rms is not None else np.ones(cols)).reshape(-1, GROUP)
         tiles = np.empty(w.size // GROUP, _Q1T_TILE)
         gpr = cols // GROUP
@@ -281,7 +289,9 @@ class Q1tCodec(Codec):
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
         tiles, row_ptr, entries = self._parts(buf, shape)
-        out = _decode_q1t(tiles).reshape(shape)
+        out = np.empty((tiles.shape[0], GROUP), np.float32)
+        _fast.q1t_decode(tiles.view(np.uint8).reshape(-1, 9), _fast.F16_TABLE, TERNARY_LUT, out)
+        out = out.reshape(shape)
         er = np.repeat(np.arange(shape[0]), np.diff(row_ptr))
         np.add.at(out, (er, entries["col"].astype(np.int64)), entries["value"].astype(np.float32))
         return out

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..format.constants import Dtype
+from . import _fast
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, f16_at, require_2d, row_block, row_chunks
 from .float import F16_TINY, f16_round, f16_scale, f32_to_f16_bits
 
@@ -46,7 +47,9 @@ class Q8RowCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         q, s = self._parts(buf, shape)
-        return q.astype(np.float32) * s[:, None]
+        out = np.empty(q.shape, np.float32)
+        _fast.q8_decode(q, s, np.empty(0, np.float32), out)
+        return out
 
     def decode_rows(self, buf, shape, rows):
         q, s = self._parts(buf, shape)
@@ -95,15 +98,14 @@ class Q82fCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         q, s, col = self._parts(buf, shape)
-        res = q.astype(np.float32)
-        res *= s[:, None]  # (q·s)·col, the reference's evaluation order
-        res *= col[None, :]
-        return res
+        out = np.empty(q.shape, np.float32)
+        _fast.q8_decode(q, s, col, out)  # (q·s)·col, the reference's evaluation order
+        return out
 
     def decode_rows(self, buf, shape, rows):
         q, s, col = self._parts(buf, shape)
         _, _, rows = row_block(check_shape(shape), rows)
         res = q[rows].astype(np.float32)
-        res *= s[rows, None]
+        res *= s[rows, None]  # (q·s)·col, the reference's evaluation order
         res *= col[None, :]
         return res
