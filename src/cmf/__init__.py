@@ -1,14 +1,51 @@
-"""pycmf: CMF v2 model containers — reader, writer, quantization, conversion and runtime."""
+"""pycmf: CMF v2 model containers — reader, writer, quantization, conversion and runtime.
+
+Public names are loaded lazily (PEP 562) so that ``cmf --help`` starts without numpy.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .format import errors
-from .format.errors import CmfError
-from .format.hash64 import hash64
-from .format.reader import CmfFile, QTensor
-from .format.reader import open as open  # noqa: A004 - `cmf.open(path)` is the public contract
-from .format.writer import CmfWriter
+_LAZY = {
+    "open": ("cmf.format.reader", "open"),
+    "CmfFile": ("cmf.format.reader", "CmfFile"),
+    "QTensor": ("cmf.format.reader", "QTensor"),
+    "CmfError": ("cmf.format.errors", "CmfError"),
+    "errors": ("cmf.format.errors", None),
+    "hash64": ("cmf.format.hash64", "hash64"),
+    "CmfWriter": ("cmf.format.writer", "CmfWriter"),
+    "load": ("cmf.runtime.model", "load"),
+    "Model": ("cmf.runtime.model", "Model"),
+}
 
-__all__ = ["CmfError", "CmfFile", "CmfWriter", "QTensor", "errors", "hash64", "open", "__version__"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .format import errors
+    from .format.errors import CmfError
+    from .format.hash64 import hash64
+    from .format.reader import CmfFile, QTensor, open
+    from .format.writer import CmfWriter
+    from .runtime.model import Model, load
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'cmf' has no attribute {name!r}") from None
+    import importlib
+
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["CmfError", "CmfFile", "CmfWriter", "Model", "QTensor", "errors", "hash64", "load", "open",
+           "__version__"]

@@ -477,20 +477,20 @@ def open(path: str | os.PathLike, *, shards: bool = True) -> CmfFile:  # noqa: A
     """
     path = Path(path)
     first = _open_part(path)
+    parts = [first]
     try:
         shard = first.header.shard
         if shards and shard is not None and shard.count > 1:
             parts = _shard_set(path, first)
-        else:
-            parts = [first]
         return CmfFile(parts)
     except BaseException:
-        first.u8 = np.zeros(0, dtype=np.uint8)
-        if first.mm is not None:
-            try:
-                first.mm.close()
-            except BufferError:  # pragma: no cover
-                pass
+        for part in parts:
+            part.u8 = np.zeros(0, dtype=np.uint8)
+            if part.mm is not None:
+                try:
+                    part.mm.close()
+                except BufferError:  # pragma: no cover
+                    pass
         raise
 
 
