@@ -148,7 +148,8 @@ def _check_tensors(rec: np.ndarray, names: list[str], data_len: int, u8: np.ndar
     used = np.arange(6)[None, :] < ndim[:, None]
     dims = np.where(used, dims, 1)
     approx = np.prod(dims.astype(np.float64), axis=1)
-    fail(approx >= 2.0 ** 62, lambda i: f"tensor {names[i]!r}: shape {dims[i, :ndim[i]].tolist()} overflows")
+    # 2**56 elements (72 PB of q1) is beyond any real file and keeps every size formula below in int64.
+    fail(approx >= 2.0 ** 56, lambda i: f"tensor {names[i]!r}: shape {dims[i, :ndim[i]].tolist()} overflows")
     n = np.prod(dims, axis=1)
     dt = rec["dtype"].astype(np.int64)
     two_d = ndim == 2
