@@ -12,6 +12,7 @@ import pytest
 
 import cmf.quant as q
 from cmf.format.constants import VBIT_WIDTHS
+from cmf.quant.float import exp2_f16, log2_f16
 from cmf.quant.ladder import pack_codes, q2tp_ladder, q4tp_ladder, unpack_codes
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -43,19 +44,34 @@ def test_q4tp_decoder_reads_rung_per_group() -> None:
     nib = np.full((gpr, 16), 0x9A, np.uint8)  # low nibble 0xA -> +2, high 0x9 -> +1
     data = _q4tp_payload(nib, -3.0, 0.25, codes)
     got = q.decode(data, "q4tp", (1, 32 * gpr)).reshape(gpr, 32)
-    t = q4tp_ladder(np.float32(-3.0), np.float32(0.25))[0]
+    lo_h, st_h = np.float16(-3.0).view(np.uint16), np.float16(0.25).view(np.uint16)
+    t = q4tp_ladder(lo_h, st_h)[0]
     assert np.array_equal(got[:, 0], 2 * t[codes]) and np.array_equal(got[:, 1], t[codes])
-    t2 = q2tp_ladder(np.float32(-3.0), np.float32(0.25))[0]
+    t2 = q2tp_ladder(lo_h, st_h)[0]
     assert t2[0] == 0 and np.array_equal(t2[1:], t[:31])
 
 
 def test_ladder_is_iterated_f32_multiplication() -> None:
-    t = q4tp_ladder(np.float32(-5.5), np.float32(0.1875))[0]
-    ratio = np.exp2(np.float32(0.1875))
-    acc = np.exp2(np.float32(-5.5))
+    lo_h, st_h = np.float16(-5.0).view(np.uint16), np.float16(0.1875).view(np.uint16)
+    t = q4tp_ladder(lo_h, st_h)[0]
+    ratio = exp2_f16(st_h)
+    assert t[0] == np.float32(2.0 ** -5) and abs(float(ratio) - 2 ** 0.1875) < 2e-7
+    acc = t[0]
     for c in range(32):
         assert t[c] == acc
         acc = np.float32(acc * ratio)
+
+
+def test_f16_transcendental_tables_are_exact_to_the_last_bit() -> None:
+    # Correctly rounded or the C library's value: never more than one f32 ulp off, exact on
+    # powers of two (numpy's own float32 log2/exp2 are not used for ladder arithmetic).
+    bits = np.arange(0x0400, 0x7C00, dtype=np.uint16)
+    x = bits.view(np.float16).astype(np.float64)
+    lg = log2_f16(bits)
+    assert np.all(np.abs(lg - np.log2(x)) <= np.spacing(np.abs(lg).astype(np.float32)) + 1e-30)
+    assert np.array_equal(log2_f16(np.float16([0.25, 1, 1024]).view(np.uint16)), [-2, 0, 10])
+    ex = exp2_f16(bits[:12000])
+    assert np.all(np.abs(ex - np.exp2(x[:12000])) <= np.spacing(ex))
 
 
 def test_q2tp_plane_order_and_zero_rung() -> None:

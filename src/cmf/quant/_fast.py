@@ -3,8 +3,8 @@
 Each function writes into a preallocated float32 array and computes exactly what the numpy
 decoders compute (same operations, same order, no fastmath), so results are bit-identical; the
 tests compare the two. numba has no f16 type, so f16 values go through a 65536-entry table.
-Scale ladders (q4tp/q2tp) are expanded by numpy beforehand: ``np.exp2`` and LLVM's ``exp2f``
-may differ in the last bit, and the ladder must be the same everywhere.
+Scale ladders (q4tp/q2tp) are expanded beforehand (``ladder.q4tp_ladder``): exp2 must be the
+one table every encoder and decoder shares, not whatever exp2f LLVM links.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ the reader's open-time checks and the decoders can never disagree about a layout
 
 from __future__ import annotations
 
-import logging
 from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
@@ -15,8 +14,6 @@ import numpy as np
 from ..format import dtypes as _dtypes
 from ..format.constants import DTYPE_BY_LABEL, MAX_NDIM, Dtype
 from ..format.errors import BoundsError, UnknownDtype, UnsupportedDtype
-
-log = logging.getLogger(__name__)
 
 Buffer = Any  # bytes, bytearray, memoryview, mmap slice or a uint8 numpy array
 

@@ -22,7 +22,7 @@ import numpy as np
 from ..format.constants import GROUP, Dtype
 from . import _fast
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, require_2d, row_block, row_chunks, seq_sum
-from .float import f16_bits_to_f32, f16_scale, f32_to_f16_bits
+from .float import exp2_f16, f16_bits_to_f32, f16_scale_bits, f32_to_f16_bits, log2_f16
 from .q4 import NIBBLE_LUT, pack_nibbles
 
 Q4TP_LMAX = 31
@@ -57,27 +57,31 @@ def unpack_codes(cbytes: np.ndarray, gpr: int) -> np.ndarray:
     return ((word >> (bit & 7).astype(np.uint16)) & np.uint16(31)).astype(np.int64)
 
 
-def q4tp_ladder(lo: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """Per-row ladders (rows, 32) from f32 ``lo`` and ``step``: iterated f32 multiplies."""
-    lo = np.asarray(lo, np.float32).reshape(-1)
+def q4tp_ladder(lo_h: np.ndarray, step_h: np.ndarray) -> np.ndarray:
+    """Per-row ladders (rows, 32) from the f16 bit patterns of ``lo`` and ``step``.
+
+    ``t[0] = exp2(lo)``, ``t[c] = t[c-1]·exp2(step)`` in f32, with exp2 as the C library's
+    exp2f (see ``cmf.quant.float.exp2_f16``).
+    """
+    t0 = exp2_f16(np.asarray(lo_h, np.uint16).reshape(-1))
+    ratio = exp2_f16(np.asarray(step_h, np.uint16).reshape(-1))
+    t = np.empty((t0.size, 32), np.float32)
+    t[:, 0] = t0
     with np.errstate(over="ignore", invalid="ignore"):  # crafted params may overflow: inf/NaN, no crash
-        ratio = np.exp2(np.asarray(step, np.float32).reshape(-1))
-        t = np.empty((lo.size, 32), np.float32)
-        t[:, 0] = np.exp2(lo)
         for c in range(1, 32):
             t[:, c] = t[:, c - 1] * ratio
     return t
 
 
-def q2tp_ladder(lo: np.ndarray, step: np.ndarray) -> np.ndarray:
+def q2tp_ladder(lo_h: np.ndarray, step_h: np.ndarray) -> np.ndarray:
     """q2tp rungs (rows, 32): rung 0 = 0, rung c = q4tp rung c-1."""
-    t = q4tp_ladder(lo, step)
+    t = q4tp_ladder(lo_h, step_h)
     return np.concatenate([np.zeros((t.shape[0], 1), np.float32), t[:, :31]], axis=1)
 
 
-def params_f32(params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, 2) u16 params -> (lo, step) as float32."""
-    return f16_bits_to_f32(params[:, 0]), f16_bits_to_f32(params[:, 1])
+def params_bits(params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, 2) u16 params -> (lo bits, step bits)."""
+    return params[:, 0], params[:, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ def _row_stats(w: np.ndarray, divisor: float) -> tuple[np.ndarray, np.ndarray, n
     """Steps 1-3 common to both dtypes: lg, dead, lo bits, lo_r and hi per row."""
     absmax = np.abs(w).max(axis=2, initial=np.float32(0))
     dead = absmax == 0
-    lg = np.log2(f16_scale(absmax / np.float32(divisor))).astype(np.float32)
+    lg = log2_f16(f16_scale_bits(absmax / np.float32(divisor)))
     lo, hi = _lo_hi(lg, dead)
     lo_h = f32_to_f16_bits(lo).astype(np.uint16)
     return lg, dead, lo_h, f16_bits_to_f32(lo_h), hi
@@ -167,7 +171,7 @@ def encode_q4tp_rows(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np
     lg, dead, lo_h, lo_r, hi = _row_stats(w, 7)
     st_h = _walk_step(lo_r, hi, Q4TP_LMAX)
     st = f16_bits_to_f32(st_h)
-    t = q4tp_ladder(lo_r, st)
+    t = q4tp_ladder(lo_h, st_h)
     codes = np.where(dead, 0, _nominal(lg, lo_r, st, Q4TP_LMAX))
     if search:
         cands = [codes + d for d in (-2, -1, 0, 1)]
@@ -189,7 +193,7 @@ def encode_q2tp_rows(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np
         st_h = _walk_step(lo_r, top, Q2TP_LMAX)
         st = f16_bits_to_f32(st_h)
         nom = 1 + _nominal(lg, lo_r, st, Q2TP_LMAX)  # st <= 0 gives rung 1
-        return st_h, st, q2tp_ladder(lo_r, st), nom
+        return st_h, st, q2tp_ladder(lo_h, st_h), nom
 
     if not search:
         st_h, _, t, codes = ladder_for(hi)
@@ -214,7 +218,7 @@ def encode_q2tp_rows(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np
             nom = np.where(better[:, None], f_nom, nom)
             errs_kept = errs if not errs_kept else [np.where(better[:, None], e, k)
                                                     for e, k in zip(errs, errs_kept)]
-        t = q2tp_ladder(lo_r, f16_bits_to_f32(st_h))
+        t = q2tp_ladder(lo_h, st_h)
         # (b) per-group rung: candidates max(nom-2, 1)..min(nom+1, 31), errors from (a).
         cands = [nom + d for d in (-2, -1, 0, 1)]
         valid = [(c >= 1) & (c <= 31) for c in cands]
@@ -301,7 +305,7 @@ class Q4tpCodec(_LadderCodec):
     _table = NIBBLE_LUT
 
     def ladder(self, params):
-        return q4tp_ladder(*params_f32(params))
+        return q4tp_ladder(*params_bits(params))
 
     def scales(self, params, codes, gpr):
         return np.take_along_axis(self.ladder(params), unpack_codes(codes, gpr), axis=1)
@@ -322,7 +326,7 @@ class Q2tpCodec(_LadderCodec):
     _table = CRUMB_LUT
 
     def ladder(self, params):
-        return q2tp_ladder(*params_f32(params))
+        return q2tp_ladder(*params_bits(params))
 
     def scales(self, params, codes, gpr):
         return np.take_along_axis(self.ladder(params), unpack_codes(codes, gpr), axis=1)

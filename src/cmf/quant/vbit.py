@@ -53,7 +53,9 @@ def snap_widths(x: np.ndarray) -> np.ndarray:
 def row_log_amplitude(w: np.ndarray) -> np.ndarray:
     """a_r = log2(max(absmax_r, 1e-12)) in f32."""
     absmax = np.abs(w).max(axis=1, initial=np.float32(0)) if w.size else np.zeros(w.shape[0], np.float32)
-    return np.log2(np.maximum(absmax, np.float32(1e-12))).astype(np.float32)
+    # log2 in f64, rounded once to f32: machine-independent (numpy's float32 log2 is not
+    # correctly rounded); the reference's log2f differs from this only in rare last-bit cases.
+    return np.log2(np.maximum(absmax, np.float32(1e-12)).astype(np.float64)).astype(np.float32)
 
 
 def _raw_bits(a: np.ndarray, mb: np.float32) -> np.ndarray:
