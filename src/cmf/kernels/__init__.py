@@ -1,0 +1,33 @@
+"""Matrix products on quantized weights, read in place from the mapped file.
+
+``prepare(tensor)`` returns a :class:`LinearOp` for one weight matrix; the runtime calls it for
+every product. A dtype with a fused kernel gets one (decode never materializes the f32 matrix);
+every other dtype falls back to the reference path (decode + numpy), which tests compare against.
+"""
+
+from __future__ import annotations
+
+from .reference import LinearOp, ReferenceLinear, prepare_reference
+
+_FUSED = None
+
+
+def prepare(tensor, *, reference: bool = False) -> LinearOp:
+    """The fastest available LinearOp for a stored 2-D weight (``reference=True``: decode + numpy)."""
+    global _FUSED
+    if not reference:
+        if _FUSED is None:
+            try:
+                from . import fused as _fused  # numba kernels (optional at import time)
+
+                _FUSED = _fused
+            except ImportError:
+                _FUSED = False
+        if _FUSED:
+            op = _FUSED.prepare_fused(tensor)
+            if op is not None:
+                return op
+    return prepare_reference(tensor)
+
+
+__all__ = ["LinearOp", "ReferenceLinear", "prepare", "prepare_reference"]

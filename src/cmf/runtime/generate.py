@@ -1,0 +1,134 @@
+"""Generation as a stack of generators (see STYLE.md):
+
+``generate_step`` yields (token, logits) → ``stream_generate`` yields text deltas with ids, finish
+reason and stats → ``generate`` returns the text.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .sampling import Processor, Sampler, make_logits_processors, make_sampler
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the new text, its token, and running statistics."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None  # None while generating, then "stop" or "length"
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_mb: float
+    time_to_first_token: float = 0.0
+
+
+def generate_step(model, prompt_ids: Sequence[int], *, sampler: Sampler, processors: Sequence[Processor] = (),
+                  max_tokens: int = 256, cache=None) -> Iterator[tuple[int, np.ndarray]]:
+    """Prefill ``prompt_ids`` then yield (token, logits) forever or up to ``max_tokens``."""
+    cache = cache if cache is not None else model.new_cache()
+    seen: list[int] = list(prompt_ids)
+    logits = model.prefill(prompt_ids, cache)[-1]
+    n = 0
+    while max_tokens < 0 or n < max_tokens:
+        for proc in processors:
+            logits = proc(logits, seen)
+        token = sampler(logits)
+        yield token, logits
+        seen.append(token)
+        n += 1
+        if max_tokens >= 0 and n >= max_tokens:
+            return
+        logits = model.forward([token], cache)[-1]
+
+
+def prompt_ids_for(model, prompt, *, raw: bool = False, system: str | None = None, thinking: bool | None = None,
+                   tools: list | None = None) -> list[int]:
+    """Token ids for a prompt: ids as given, raw text, or a chat (string or messages) through the template."""
+    if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], (int, np.integer))):
+        return [int(t) for t in prompt]
+    tok = model.tokenizer
+    if raw and isinstance(prompt, str):
+        return tok.encode(prompt, add_special_tokens=True)
+    from .chat import chat_ids
+
+    messages = list(prompt) if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages = [{"role": "system", "content": system}] + messages
+    bundle = model.file.chat_config
+    template = bundle.chat_template if bundle is not None else None
+    return chat_ids(tok, template, messages, tools=tools, thinking=thinking)
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float | None = None,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    logit_bias: dict | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
+                    raw: bool = False, system: str | None = None, thinking: bool | None = None,
+                    tools: list | None = None, ignore_eos: bool = False) -> Iterator[GenerationResponse]:
+    """Yield text deltas; the last response carries ``finish_reason`` ("stop" or "length")."""
+    ids = prompt_ids_for(model, prompt, raw=raw, system=system, thinking=thinking, tools=tools)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    tok = model.tokenizer
+    sampler = make_sampler(temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    procs = make_logits_processors(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                   frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    hold = max((len(s) for s in stops), default=1) - 1  # chars kept back while a stop string may be forming
+    decoder = tok.stream_decoder()
+    t0 = time.perf_counter()
+    t_first = None
+    text_so_far, emitted = "", 0
+    n = 0
+
+    def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
+        now = time.perf_counter()
+        pre = (t_first or now) - t0
+        dec = now - (t_first or now)
+        return GenerationResponse(text, token, finish, len(ids), n, len(ids) / pre if pre > 0 else 0.0,
+                                  (n - 1) / dec if dec > 0 and n > 1 else 0.0, _peak_mb(), pre)
+
+    finish = "length"
+    for token, _ in generate_step(model, ids, sampler=sampler, processors=procs, max_tokens=max_tokens):
+        if t_first is None:
+            t_first = time.perf_counter()
+        n += 1
+        if token in tok.eos_ids and not ignore_eos:
+            finish = "stop"
+            break
+        text_so_far += decoder.step(token)
+        if stops:
+            cut = min((i for i in (text_so_far.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > emitted:
+                    yield response(text_so_far[emitted:cut], token, None)
+                emitted = cut
+                finish = "stop"
+                break
+            safe = max(emitted, len(text_so_far) - hold)
+        else:
+            safe = len(text_so_far)
+        if safe > emitted:
+            yield response(text_so_far[emitted:safe], token, None)
+            emitted = safe
+    if finish == "length" and emitted < len(text_so_far):
+        yield response(text_so_far[emitted:], None, None)
+    yield response("", None, finish)
+
+
+def generate(model, prompt, **kwargs) -> str:
+    """The whole generated text."""
+    return "".join(r.text for r in stream_generate(model, prompt, **kwargs))

@@ -1,0 +1,194 @@
+"""THE place that reads tensor names: directory + header → one LayerPlan per layer.
+
+Operators are chosen by tensor presence and header fields (spec §2 "capability dispatch"),
+never by a model or architecture name. Everything else in the runtime consumes these plans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..format.errors import CmfError
+from .ops.rope import RopeProfile, build_rope
+
+
+class PlanError(CmfError):
+    """The file's tensors or header do not describe a model this runtime can execute."""
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    q: str
+    k: str
+    v: str
+    o: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    rope: RopeProfile
+    window: int | None = None
+    softcap: float | None = None
+    q_bias: str | None = None
+    k_bias: str | None = None
+    v_bias: str | None = None
+    o_bias: str | None = None
+    q_norm: str | None = None
+    k_norm: str | None = None
+    output_gate: bool = False  # q_proj rows = 2·heads·head_dim: [q; gate] per head, sigmoid gate
+    g_proj: str | None = None  # per-head (rows = heads) or per-channel softplus gate before o_proj
+
+
+@dataclass(frozen=True)
+class FfnPlan:
+    gate: str
+    up: str
+    down: str
+    width: int
+    act: str
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    kind: str  # FullAttention | SlidingAttention
+    attn: AttentionPlan
+    ffn: FfnPlan
+    input_norm: str | None
+    post_attn_norm: str | None
+    pre_ffn_norm: str | None = None  # present → sandwich norms (gemma2/3)
+    post_ffn_norm: str | None = None
+
+    @property
+    def sandwich(self) -> bool:
+        return self.pre_ffn_norm is not None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    hidden: int
+    vocab: int
+    eps: float
+    gemma_norm: bool
+    embed: str
+    lm_head: str
+    final_norm: str | None
+    embed_multiplier: float
+    final_softcap: float | None
+    logit_multiplier: float
+    max_positions: int
+    layers: list[LayerPlan] = field(default_factory=list)
+
+
+def _opt(arch_raw: dict, key: str, default=None):
+    v = arch_raw.get(key, default)
+    return default if v is None else v
+
+
+def build_plan(arch, shape_of: Callable[[str], tuple[int, ...] | None]) -> ModelPlan:
+    """Build the execution plan from an ``Arch`` view and a name → shape lookup (None = absent)."""
+    raw = arch.raw
+    hidden = arch.hidden_size
+    has = lambda name: shape_of(name) is not None  # noqa: E731
+
+    embed = "model.embed_tokens.weight"
+    if not has(embed):
+        raise PlanError(f"the file has no {embed}: not a decoder this runtime can run")
+    lm_head = "lm_head.weight" if has("lm_head.weight") else embed
+    if lm_head == embed and not arch.tie_word_embeddings:
+        raise PlanError("no lm_head.weight and tie_word_embeddings is false")
+    vocab = shape_of(embed)[0]
+
+    full_rope = build_rope(arch.rope_theta, arch.head_dim, arch.partial_rotary_factor,
+                           _rope_scaling(raw), _opt(raw, "rope_freq_factors"))
+    local_rope = build_rope(_opt(raw, "rope_local_base_freq", arch.rope_theta), arch.head_dim,
+                            _opt(raw, "local_partial_rotary_factor", arch.partial_rotary_factor), None, None)
+    heads_per_layer = _opt(raw, "attention_heads_per_layer")
+    qpas = _opt(raw, "query_pre_attn_scalar")
+    softcap = _opt(raw, "attn_logit_softcapping")
+    window = _opt(raw, "sliding_window")
+    layers: list[LayerPlan] = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        kind = arch.layer_types[i] if i < len(arch.layer_types) else "FullAttention"
+        if kind not in ("FullAttention", "SlidingAttention"):
+            raise PlanError(f"layer {i}: {kind} layers are not supported by this runtime yet")
+        heads = int(heads_per_layer[i]) if heads_per_layer else arch.num_attention_heads
+        hd = arch.head_dim
+        q_shape = shape_of(p + "self_attn.q_proj.weight")
+        k_shape = shape_of(p + "self_attn.k_proj.weight")
+        v_shape = shape_of(p + "self_attn.v_proj.weight")
+        o_shape = shape_of(p + "self_attn.o_proj.weight")
+        if None in (q_shape, k_shape, v_shape, o_shape):
+            raise PlanError(f"layer {i}: attention projections q/k/v/o are not all present")
+        if q_shape[0] == 2 * heads * hd:
+            gate = True
+        elif q_shape[0] == heads * hd:
+            gate = False
+        else:
+            raise PlanError(f"layer {i}: q_proj has {q_shape[0]} rows; {heads} heads × {hd} needs "
+                            f"{heads * hd} (or {2 * heads * hd} with an output gate)")
+        if k_shape[0] % hd or k_shape[0] == 0:
+            raise PlanError(f"layer {i}: k_proj rows {k_shape[0]} are not a multiple of head_dim {hd}")
+        kv_heads = k_shape[0] // hd
+        if heads % kv_heads:
+            raise PlanError(f"layer {i}: {heads} query heads do not group over {kv_heads} KV heads")
+        v_hd = v_shape[0] // kv_heads
+        biases = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        has_qkv_bias = all(has(b) for b in biases)
+        sliding = kind == "SlidingAttention"
+        scale = (float(qpas) ** -0.5) if qpas else hd ** -0.5
+        attn = AttentionPlan(
+            q=p + "self_attn.q_proj.weight", k=p + "self_attn.k_proj.weight", v=p + "self_attn.v_proj.weight",
+            o=p + "self_attn.o_proj.weight", heads=heads, kv_heads=kv_heads, head_dim=hd, v_head_dim=v_hd,
+            scale=scale, rope=local_rope if sliding else full_rope,
+            window=int(window) if sliding and window else None, softcap=float(softcap) if softcap else None,
+            q_bias=biases[0] if has_qkv_bias else None, k_bias=biases[1] if has_qkv_bias else None,
+            v_bias=biases[2] if has_qkv_bias else None,
+            o_bias=p + "self_attn.o_proj.bias" if has(p + "self_attn.o_proj.bias") else None,
+            q_norm=p + "self_attn.q_norm.weight" if has(p + "self_attn.q_norm.weight") else None,
+            k_norm=p + "self_attn.k_norm.weight" if has(p + "self_attn.k_norm.weight") else None,
+            output_gate=gate,
+            g_proj=p + "self_attn.g_proj.weight" if has(p + "self_attn.g_proj.weight") else None,
+        )
+        if sliding and attn.window is None:
+            raise PlanError(f"layer {i} is SlidingAttention but the header has no sliding_window")
+        g, u, d = (p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+        gs, us, ds = shape_of(g), shape_of(u), shape_of(d)
+        if has(p + "mlp.gate.weight"):
+            raise PlanError(f"layer {i}: MoE layers are not supported by this runtime yet")
+        if None in (gs, us, ds):
+            raise PlanError(f"layer {i}: FFN gate/up/down projections are not all present")
+        if not (gs[0] == us[0] == ds[1]) or ds[0] != hidden:
+            raise PlanError(f"layer {i}: FFN shapes disagree (gate {list(gs)}, up {list(us)}, down {list(ds)})")
+        ffn = FfnPlan(gate=g, up=u, down=d, width=gs[0], act=arch.hidden_act)
+        name = lambda n: p + n if has(p + n) else None  # noqa: E731
+        layers.append(LayerPlan(
+            index=i, kind=kind, attn=attn, ffn=ffn, input_norm=name("input_layernorm.weight"),
+            post_attn_norm=name("post_attention_layernorm.weight"),
+            pre_ffn_norm=name("pre_feedforward_layernorm.weight"),
+            post_ffn_norm=name("post_feedforward_layernorm.weight")))
+    return ModelPlan(
+        hidden=hidden, vocab=vocab, eps=float(arch.rms_norm_eps), gemma_norm=arch.norm_style == "gemma",
+        embed=embed, lm_head=lm_head, final_norm="model.norm.weight" if has("model.norm.weight") else None,
+        embed_multiplier=float(arch.embed_multiplier), final_softcap=_opt(raw, "final_logit_softcapping"),
+        logit_multiplier=float(_opt(raw, "logit_multiplier", 1.0)),
+        max_positions=int(arch.max_position_embeddings), layers=layers)
+
+
+def _rope_scaling(raw: dict) -> dict | None:
+    """The global rope scaling: a ``yarn`` block, or an HF-style ``rope_scaling`` dict."""
+    if raw.get("yarn"):
+        return dict(raw["yarn"], rope_type="yarn")
+    scaling = raw.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        out = dict(scaling)
+        out.setdefault("rope_type", scaling.get("type"))
+        return out
+    return None
+
+
+_ = math

@@ -1,0 +1,106 @@
+"""Samplers as small composed functions (mlx-lm style).
+
+Logits processors (penalties, logit bias) see the tokens generated so far and return new logits;
+the sampler turns logits into one token id. Order (REFERENCE_NOTES §3): logit bias → repetition
+penalty → presence/frequency penalties → temperature → softmax → min-p → top-k → top-p →
+renormalize → draw. temperature < 1e-6 is greedy (argmax over the processed logits, lowest index
+on ties, as transformers does).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+Processor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
+Sampler = Callable[[np.ndarray], int]
+
+
+def logit_bias_processor(bias: Mapping[int, float]) -> Processor:
+    ids = np.fromiter((int(k) for k in bias), dtype=np.int64)
+    vals = np.fromiter((float(v) for v in bias.values()), dtype=np.float32)
+
+    def apply(logits: np.ndarray, seen: Sequence[int]) -> np.ndarray:
+        logits = logits.copy()
+        ok = ids < logits.size
+        logits[ids[ok]] += vals[ok]
+        return logits
+
+    return apply
+
+
+def repetition_penalty_processor(penalty: float, window: int | None = None) -> Processor:
+    """Each distinct seen token: logit / penalty if positive, · penalty otherwise (HF/CTRL)."""
+
+    def apply(logits: np.ndarray, seen: Sequence[int]) -> np.ndarray:
+        if not seen:
+            return logits
+        ctx = seen[-window:] if window else seen
+        ids = np.unique(np.asarray(ctx, dtype=np.int64))
+        logits = logits.copy()
+        sel = logits[ids]
+        logits[ids] = np.where(sel > 0, sel / penalty, sel * penalty)
+        return logits
+
+    return apply
+
+
+def presence_frequency_processor(presence: float, frequency: float) -> Processor:
+    """OpenAI semantics: subtract ``presence`` once per seen token and ``frequency`` per occurrence."""
+
+    def apply(logits: np.ndarray, seen: Sequence[int]) -> np.ndarray:
+        if not seen:
+            return logits
+        ids, counts = np.unique(np.asarray(seen, dtype=np.int64), return_counts=True)
+        logits = logits.copy()
+        logits[ids] -= np.float32(presence) + np.float32(frequency) * counts.astype(np.float32)
+        return logits
+
+    return apply
+
+
+def make_logits_processors(*, repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+                           repetition_window: int | None = None) -> list[Processor]:
+    procs: list[Processor] = []
+    if logit_bias:
+        procs.append(logit_bias_processor(logit_bias))
+    if repetition_penalty and repetition_penalty != 1.0:
+        procs.append(repetition_penalty_processor(repetition_penalty, repetition_window))
+    if presence_penalty or frequency_penalty:
+        procs.append(presence_frequency_processor(presence_penalty, frequency_penalty))
+    return procs
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64) - np.max(x)
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None) -> Sampler:
+    """A sampler; the same seed gives the same sequence of draws."""
+    if temperature < 1e-6:
+        return lambda logits: int(np.argmax(logits))
+    rng = np.random.Generator(np.random.PCG64(seed))
+
+    def sample(logits: np.ndarray) -> int:
+        p = softmax(logits / np.float32(temperature))
+        if min_p > 0:
+            p = np.where(p < min_p * p.max(), 0.0, p)
+        order = np.argsort(-p, kind="stable")
+        if top_k and top_k < p.size:
+            p[order[top_k:]] = 0.0
+        if top_p < 1.0:
+            sorted_p = p[order]
+            cum = np.cumsum(sorted_p) / sorted_p.sum()
+            cut = int(np.searchsorted(cum, top_p, side="left")) + 1
+            p[order[cut:]] = 0.0
+        total = p.sum()
+        if total <= 0:
+            return int(order[0])
+        return int(rng.choice(p.size, p=p / total))
+
+    return sample
