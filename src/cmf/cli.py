@@ -33,6 +33,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "diff": ("diff", "semantic difference of two models (arch, tensors, skills, masks)"),
     "masks": ("masks", "list the task masks: sparsity, quality, layers touched"),
     "compact": ("compact", "rewrite a model tightly (drops dead bytes, joins shards)"),
+    "run": ("run", "generate text from a prompt (streams to stdout; stats on stderr)"),
+    "chat": ("chat", "interactive multi-turn chat with the model"),
+    "ppl": ("perplexity", "teacher-forced perplexity of a text file"),
+    "bench": ("bench", "measure prefill (ppN) and decode (tgN) speed"),
 }
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2

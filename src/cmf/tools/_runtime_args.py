@@ -1,0 +1,73 @@
+"""Options shared by the verbs that run a model (run, chat, ppl, bench) and model resolution."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> None:
+    p.add_argument("model", metavar="MODEL", help="a .cmf file, any shard of a set, or a HF folder / hub id")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="worker threads for the kernels")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--skill", default=None, help="run with a skill's replacement tensors (id)")
+    p.add_argument("--task", default=None, help="task mask to activate (name)")
+    if sampling:
+        p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")
+        p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
+                       help="sampling temperature (0 = greedy, the default)")
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repeat-penalty", type=float, default=1.0)
+        p.add_argument("--presence-penalty", type=float, default=0.0)
+        p.add_argument("--frequency-penalty", type=float, default=0.0)
+        p.add_argument("-s", "--seed", type=int, default=None)
+        p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        p.add_argument("--no-think", action="store_true", help="disable thinking in templates that support it")
+        p.add_argument("--system", default=None, help="system prompt")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+                thinking=False if args.no_think else None)
+
+
+def resolve_model(spec: str) -> Path:
+    """A .cmf path as given; a HF folder or hub id is converted once into a cache (needs cmf.convert)."""
+    p = Path(spec)
+    if p.is_file():
+        return p
+    if p.exists() and not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{spec}: neither a .cmf file nor a Hugging Face model folder")
+    if not p.exists() and (spec.endswith(".cmf") or os.sep in spec.strip("/").replace("/", os.sep, 1)):
+        if spec.endswith(".cmf") or spec.count("/") != 1:
+            raise FileNotFoundError(f"{spec}: no such file")
+    try:
+        from ..convert import convert
+    except ImportError as exc:  # pragma: no cover - converter not installed
+        raise FileNotFoundError(f"{spec}: not a .cmf file, and the converter is unavailable ({exc})") from None
+    cache = Path(os.environ.get("CMF_CACHE", Path.home() / ".cache" / "pycmf"))
+    cache.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(p.resolve() if p.exists() else spec).encode()).hexdigest()[:16]
+    out = cache / f"{Path(spec).name or 'model'}-{key}-f16.cmf"
+    if not out.is_file():
+        log.warning("converting %s to %s (f16, once)", spec, out)
+        convert(spec, out, quant="f16")
+    return out
+
+
+def load_model(args: argparse.Namespace):
+    from ..runtime.model import load
+
+    return load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
+                ctx_size=args.ctx_size, batch_size=args.batch_size)

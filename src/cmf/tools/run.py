@@ -1,0 +1,61 @@
+"""``cmf run``: generate from a prompt, streaming the text to stdout and stats to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from . import sanitize
+from ._runtime_args import add_model_options, load_model, sampling_kwargs
+
+NAME = "run"
+SUMMARY = "generate text from a prompt (streams to stdout; stats on stderr)"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY)
+    add_model_options(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="the prompt text")
+    src.add_argument("-f", "--file", help="read the prompt from a file ('-' = stdin)")
+    p.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as given")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(run=run)
+    return p
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.file == "-":
+        return sys.stdin.read()
+    with open(args.file, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model(args)
+    prompt = _prompt(args)
+    text, last = [], None
+    for r in model.stream(prompt, raw=args.raw, system=args.system, **sampling_kwargs(args)):
+        last = r
+        if r.text:
+            text.append(r.text)
+            if not args.json:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+    assert last is not None
+    stats = {"prompt_tokens": last.prompt_tokens, "generated_tokens": last.generation_tokens,
+             "prompt_tps": round(last.prompt_tps, 2), "decode_tps": round(last.generation_tps, 2),
+             "finish_reason": last.finish_reason, "peak_memory_mb": round(last.peak_memory_mb, 1)}
+    if args.json:
+        print(json.dumps({"text": "".join(text), **stats}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stderr.write(sanitize(
+            f"[{stats['prompt_tokens']} prompt tokens at {stats['prompt_tps']:.1f} t/s, "
+            f"{stats['generated_tokens']} generated at {stats['decode_tps']:.1f} t/s, "
+            f"finish: {stats['finish_reason']}, peak {stats['peak_memory_mb']:.0f} MB]") + "\n")
+    return 0
