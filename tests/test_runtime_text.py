@@ -127,14 +127,12 @@ def test_chatml_fallback_ids(ours):
 
 
 def test_eos_ids_include_bundle_and_im_end(hf_tokenizer_dir):
-    from cmf.format.header import TokenizerConfig
+    from cmf.format.header import TokenizerConfig, _build
 
-    bundle = TokenizerConfig.from_dict({"eos_token_ids": [5], "chat_template": None}) \
-        if hasattr(TokenizerConfig, "from_dict") else None
+    bundle = _build(TokenizerConfig, {"eos_token_ids": [5], "chat_template": None}, "tokenizer_config")
     tok = tokenizer_from_json((hf_tokenizer_dir / "tokenizer.json").read_bytes(), bundle=bundle)
     assert tok.token_to_id("<|im_end|>") in tok.eos_ids
-    if bundle is not None:
-        assert 5 in tok.eos_ids
+    assert 5 in tok.eos_ids
 
 
 def test_sampler_seeded_reproducible_and_greedy():
