@@ -89,7 +89,10 @@ def run(size: int, repeat: int) -> str:
     return (f"Run {stamp} on {machine()}; numpy {np.__version__}; matrix {size}×{size} f32, "
             f"median of {repeat} decodes, each into a fresh output array (page faults included, as "
             f"for gguf-py). The machine is shared, so absolute numbers are noisy; ratios come from "
-            f"the same run.\n\n{table(head, rows)}\n\n{extra}\n")
+            f"the same run.\n\n{table(head, rows)}\n\n{extra}\n\n"
+            "Every decode returns a new array; first-touch page faults on it cost about as much as "
+            "the decode kernels themselves on a small VM, so these figures swing with the allocator. "
+            "Fused mat-vec throughput belongs to the kernels benchmark.\n")
 
 
 def write_section(text: str) -> None:
