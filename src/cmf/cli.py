@@ -37,6 +37,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "chat": ("chat", "interactive multi-turn chat with the model"),
     "ppl": ("perplexity", "teacher-forced perplexity of a text file"),
     "bench": ("bench", "measure prefill (ppN) and decode (tgN) speed"),
+    "convert": ("convert", "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"),
+    "export": ("export", "write a .cmf as a Hugging Face folder (safetensors + config + tokenizer)"),
 }
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
