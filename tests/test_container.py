@@ -380,3 +380,14 @@ def test_torn_envelope_is_never_silently_wrong(tmp_path):
         except errors.CmfError:
             continue  # detected at open
         assert state in (old_state, new_state) or state[3], f"torn at byte {k} went unnoticed"
+
+
+def test_closed_file_raises_cmf_error(tmp_path):
+    path = tmp_path / "c.cmf"
+    write_sample(path)
+    f = cmf.open(path)
+    f.close()
+    for call in (lambda: f.verify(), lambda: f.array("model.norm.weight"), lambda: f.tensor("model.norm.weight"),
+                 lambda: f.tokenizer_json):
+        with pytest.raises(errors.IoError, match="closed"):
+            call()

@@ -244,6 +244,7 @@ class CmfFile:
                     raise ParseError(f"{part.path}: tensor {name!r} also appears in shard "
                                      f"{parts[self._entries[name][0]].path.name}")
                 self._entries[name] = (p_idx, r_idx)
+        self.closed = False
         self.masks: MaskSet | None = None
         self.sparse_index: list | None = None
         u8 = first.u8
@@ -264,6 +265,7 @@ class CmfFile:
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the mappings. Views handed out earlier keep their mapping alive until dropped."""
+        self.closed = True
         for part in self._parts:
             part.u8 = np.zeros(0, dtype=np.uint8)
             if part.mm is not None:
@@ -282,6 +284,10 @@ class CmfFile:
     def __repr__(self) -> str:
         return f"CmfFile({str(self.path)!r}, tensors={len(self._entries)}, shards={len(self._parts)})"
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise IoError(f"{self.path}: the file is closed")
+
     # -- directory -------------------------------------------------------------------------------
     def keys(self) -> list[str]:
         """Tensor names in directory order (shard 1 first)."""
@@ -298,6 +304,7 @@ class CmfFile:
 
     def tensor(self, name: str) -> QTensor:
         """The stored tensor ``name``; raises MissingTensor."""
+        self._check_open()
         try:
             p_idx, r_idx = self._entries[name]
         except KeyError:
@@ -373,11 +380,13 @@ class CmfFile:
     @property
     def tokenizer_json(self) -> bytes | None:
         """The embedded HF tokenizer.json bytes, or None."""
+        self._check_open()
         vs = self.envelope.section("vocab")
         return self._parts[0].u8[vs.off:vs.end].tobytes() if vs.present else None
 
     def section_bytes(self, name: str, shard: int = 0) -> memoryview:
         """Raw bytes of an envelope section (header/dir/data/masks/vocab/index) of one shard."""
+        self._check_open()
         part = self._parts[shard]
         s = part.envelope.section(name)
         return part.u8[s.off:s.end].data
@@ -389,6 +398,7 @@ class CmfFile:
         Envelope header/dir hashes (0 = absent), ``section_hashes`` for masks/vocab/index, and
         every tensor's hash64, over all shards. ``progress(n)`` is called with bytes hashed.
         """
+        self._check_open()
         problems: list[str] = []
         for part in self._parts:
             problems += _verify_sections(part)
