@@ -6,7 +6,6 @@ never by a model or architecture name. Everything else in the runtime consumes t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -104,6 +103,8 @@ def build_plan(arch, shape_of: Callable[[str], tuple[int, ...] | None]) -> Model
 
     full_rope = build_rope(arch.rope_theta, arch.head_dim, arch.partial_rotary_factor,
                            _rope_scaling(raw), _opt(raw, "rope_freq_factors"))
+    if _opt(raw, "rope_attention_factor"):  # longrope: cos/sin scaled at every length
+        full_rope = RopeProfile(full_rope.inv_freq, full_rope.rotary_dim, float(raw["rope_attention_factor"]))
     local_rope = build_rope(_opt(raw, "rope_local_base_freq", arch.rope_theta), arch.head_dim,
                             _opt(raw, "local_partial_rotary_factor", arch.partial_rotary_factor), None, None)
     heads_per_layer = _opt(raw, "attention_heads_per_layer")
@@ -190,5 +191,3 @@ def _rope_scaling(raw: dict) -> dict | None:
         return out
     return None
 
-
-_ = math
