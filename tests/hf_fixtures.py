@@ -255,14 +255,24 @@ def _vl_config(kind: str, text_kwargs: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def legacy_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite a transformers-5 config.json into the hub's legacy form (top-level rope keys)."""
+    """Rewrite a transformers-5 config.json into the hub's legacy form: top-level rope keys,
+    ``rope_scaling`` with ``type``, no ``layer_types`` (each family's older schedule key instead),
+    ``num_experts`` for qwen3_moe."""
     out = dict(cfg)
     if "text_config" in out and isinstance(out["text_config"], dict):
         out["text_config"] = legacy_config(out["text_config"])
+    mt = out.get("model_type", "")
+    lt = out.pop("layer_types", None)
+    out.pop("_sliding_window_pattern", None)
+    if lt is not None and mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        out["full_attention_interval"] = lt.index("full_attention") + 1
+    elif lt is not None and mt.startswith("gemma3"):
+        out["sliding_window_pattern"] = lt.index("full_attention") + 1
+    if mt == "qwen3_moe" and "num_local_experts" in out:
+        out["num_experts"] = out.pop("num_local_experts")
     rp = out.pop("rope_parameters", None)
     if rp is None:
         return out
-    mt = out.get("model_type", "")
     if mt.startswith("gemma3") and "full_attention" in rp:
         full, slide = dict(rp["full_attention"]), dict(rp["sliding_attention"])
         out["rope_theta"] = full.pop("rope_theta")
@@ -275,16 +285,8 @@ def legacy_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if "partial_rotary_factor" in rp:
         out["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     kind = rp.pop("rope_type", "default")
-    if kind == "default" and not rp:
-        out["rope_scaling"] = None
-    else:
-        # Hub configs spell the kind `type` (older) or `rope_type`; use the older one.
-        out["rope_scaling"] = dict(rp, type=kind)
-    if mt == "qwen3_moe" and "num_local_experts" in out:
-        out["num_experts"] = out.pop("num_local_experts")
-    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text") and "layer_types" in out:
-        lt = out.pop("layer_types")
-        out["full_attention_interval"] = lt.index("full_attention") + 1
+    # Hub configs spell the kind `type` (older) or `rope_type`; use the older one.
+    out["rope_scaling"] = None if kind == "default" and not rp else dict(rp, type=kind)
     return out
 
 
@@ -367,3 +369,44 @@ def build(kind: str, folder: str | Path, *, legacy: bool = False, fused: bool = 
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(legacy_config(cfg), indent=2))
     return folder
+
+
+# ----------------------------------------------------------------------------------- session cache
+
+_ROOT: list[Path] = []
+
+
+def root() -> Path:
+    """A per-process folder for built fixtures (removed at exit)."""
+    if not _ROOT:
+        import atexit
+        import tempfile
+
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="cmf-hf-fixtures-")))
+        atexit.register(shutil.rmtree, str(_ROOT[0]), True)
+    return _ROOT[0]
+
+
+_CACHE: dict[tuple[Any, ...], Path] = {}
+
+
+def fixture(kind: str, **variant: Any) -> Path:
+    """``build(kind, ...)`` once per process and variant; returns the (read-only by convention) folder."""
+    key = (kind, tuple(sorted(variant.items())))
+    if key not in _CACHE:
+        tag = "-".join(f"{k}{v}" for k, v in sorted(variant.items()) if v) or "base"
+        _CACHE[key] = build(kind, root() / f"{kind}-{tag}", **variant)
+    return _CACHE[key]
+
+
+def converted(kind: str, quant: str = "f32", **variant: Any) -> Path:
+    """The fixture converted with ``cmf.convert.convert`` at ``quant`` (cached like ``fixture``)."""
+    from cmf.convert import convert
+
+    key = ("cmf", kind, quant, tuple(sorted(variant.items())))
+    if key not in _CACHE:
+        src = fixture(kind, **variant)
+        out = src.parent / f"{src.name}.{quant}.cmf"
+        convert(src, out, quant=quant)
+        _CACHE[key] = out
+    return _CACHE[key]
