@@ -1,0 +1,72 @@
+"""Smoke tests of the runtime verbs: run, chat, ppl, bench (in-process through cmf.cli.main)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_fixtures as H  # noqa: E402
+
+from cmf.cli import main  # noqa: E402
+from cmf.convert import convert  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rt") / "qwen3.cmf"
+    convert(H.fixture("qwen3"), out, quant="q8")
+    return str(out)
+
+
+def test_run_streams_text_and_stats(model_path, capsys):
+    assert main(["run", model_path, "-p", "hello model", "-n", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n")
+    assert "prompt tokens" in err and "finish: length" in err
+
+
+def test_run_json_raw_seeded(model_path, capsys):
+    args = ["run", model_path, "-p", "tensor weight", "-n", "5", "--raw", "--json", "--temp", "0.8", "-s", "7"]
+    assert main(args) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert a["text"] == b["text"] and a["generated_tokens"] == 5 and a["finish_reason"] == "length"
+
+
+def test_run_context_overflow_is_usage_error(model_path, capsys):
+    assert main(["run", model_path, "-p", "word " * 50, "-c", "16", "-n", "2"]) == 2
+    assert "context limit" in capsys.readouterr().err
+
+
+def test_chat_multi_turn(model_path, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/system be brief\nagain\n/reset\n/exit\n"))
+    assert main(["chat", model_path, "-n", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "history cleared" in err
+    assert out.count("\n") == 2  # two replies
+
+
+def test_ppl_prints_final_estimate(model_path, capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join("model tensor weight layer expert token " * 8 for _ in range(12)))
+    assert main(["ppl", model_path, "-f", str(text), "--window", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "Final estimate: PPL = " in out and "+/-" in out
+    assert main(["ppl", model_path, "-f", str(text), "--window", "32", "--chunks", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["windows"] == 2 and res["tokens"] == 62 and res["ppl"] > 1
+
+
+def test_bench_table_and_json(model_path, capsys):
+    assert main(["bench", model_path, "-p", "16", "-n", "4", "-r", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pp16" in out and "tg4" in out and "±" in out
+    assert main(["bench", model_path, "-p", "8", "-n", "2", "-r", "1", "-o", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in res["results"]] == ["pp8", "tg2"]
