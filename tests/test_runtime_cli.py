@@ -70,3 +70,14 @@ def test_bench_table_and_json(model_path, capsys):
     assert main(["bench", model_path, "-p", "8", "-n", "2", "-r", "1", "-o", "json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert [r["test"] for r in res["results"]] == ["pp8", "tg2"]
+
+
+def test_run_accepts_hf_folder_via_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CMF_CACHE", str(tmp_path / "cache"))
+    folder = H.fixture("llama")
+    assert main(["run", str(folder), "-p", "hi", "-n", "2", "--raw"]) == 0
+    cached = list((tmp_path / "cache").glob("*.cmf"))
+    assert len(cached) == 1
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "missing.cmf"), "-p", "hi"]) == 2
+    assert "missing.cmf" in capsys.readouterr().err

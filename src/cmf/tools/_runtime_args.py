@@ -43,23 +43,24 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_model(spec: str) -> Path:
-    """A .cmf path as given; a HF folder or hub id is converted once into a cache (needs cmf.convert)."""
+    """A .cmf path as given; a HF folder or hub id (``org/name``) is converted once (f16) into a cache.
+
+    The cache is ``$CMF_CACHE`` or ``~/.cache/pycmf``; the file name carries a hash of the source,
+    so a second run starts at once.
+    """
     p = Path(spec)
     if p.is_file():
         return p
-    if p.exists() and not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{spec}: neither a .cmf file nor a Hugging Face model folder")
-    if not p.exists() and (spec.endswith(".cmf") or os.sep in spec.strip("/").replace("/", os.sep, 1)):
-        if spec.endswith(".cmf") or spec.count("/") != 1:
-            raise FileNotFoundError(f"{spec}: no such file")
-    try:
-        from ..convert import convert
-    except ImportError as exc:  # pragma: no cover - converter not installed
-        raise FileNotFoundError(f"{spec}: not a .cmf file, and the converter is unavailable ({exc})") from None
-    cache = Path(os.environ.get("CMF_CACHE", Path.home() / ".cache" / "pycmf"))
+    is_hf_dir = p.is_dir() and (p / "config.json").is_file()
+    is_hub_id = not p.exists() and spec.count("/") == 1 and not spec.endswith(".cmf") and not spec.startswith((".", "/"))
+    if not (is_hf_dir or is_hub_id):
+        raise FileNotFoundError(f"{spec}: not a .cmf file, a Hugging Face model folder or a hub id")
+    from ..convert import convert
+
+    cache = Path(os.environ.get("CMF_CACHE") or Path.home() / ".cache" / "pycmf")
     cache.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(str(p.resolve() if p.exists() else spec).encode()).hexdigest()[:16]
-    out = cache / f"{Path(spec).name or 'model'}-{key}-f16.cmf"
+    key = hashlib.sha256(str(p.resolve() if is_hf_dir else spec).encode()).hexdigest()[:16]
+    out = cache / f"{p.name or 'model'}-{key}-f16.cmf"
     if not out.is_file():
         log.warning("converting %s to %s (f16, once)", spec, out)
         convert(spec, out, quant="f16")
