@@ -101,7 +101,9 @@ def rope_inv_freq(arch: dict, local: bool = False) -> tuple[np.ndarray, float]:
     return inv, arch.get("rope_attention_factor", 1.0)
 
 
-def check_header(kind: str, arch: dict, folder, model) -> None:
+def check_header(kind: str, arch: dict, folder, rot) -> None:
+    """Header fields against the transformers config of ``folder``; ``rot`` is the model's
+    rotary embedding module (RoPE is checked through the frequencies it computes)."""
     top = transformers.AutoConfig.from_pretrained(folder)
     c = top.get_text_config()
     assert arch["hidden_size"] == c.hidden_size
@@ -162,7 +164,6 @@ def check_header(kind: str, arch: dict, folder, model) -> None:
     else:
         assert "moe" not in arch
     # RoPE: the header must reproduce transformers' own inverse frequencies and cos/sin scale.
-    rot = model.model.rotary_emb
     if kind == "gemma3_text":
         pairs = [(False, rot.full_attention_inv_freq, rot.full_attention_attention_scaling),
                  (True, rot.sliding_attention_inv_freq, rot.sliding_attention_attention_scaling)]
@@ -184,7 +185,7 @@ def test_f32_conversion_is_exact(kind: str) -> None:
     with cmf.open(out) as f:
         assert f.verify() == []
         h = f.header
-        check_header(kind, h.raw["arch"], folder, model)
+        check_header(kind, h.raw["arch"], folder, model.model.rotary_emb)
         want = expected(kind, folder, model)
         assert sorted(f.keys()) == sorted(want)
         for name, value in want.items():

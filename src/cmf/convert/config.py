@@ -189,9 +189,11 @@ def _build_arch(mc: ModelConfig) -> None:
         a["embed_multiplier"] = math.sqrt(hidden)  # transformers scales embeddings by √hidden
     if "SlidingAttention" in layer_types:
         a["sliding_window"] = int(_req(c, "sliding_window", mt))
-        pattern = {"gemma2": 2, "gemma3_text": _gemma3_pattern(c)}.get(mt)
-        if pattern and layer_types == _pattern_types(layers, pattern):
-            a["sliding_window_pattern"] = pattern
+        if mt in ("gemma2", "gemma3_text") and "FullAttention" in layer_types:
+            # The every-Nth-layer-is-global schedule, for runtimes that read it instead of layer_types.
+            pattern = layer_types.index("FullAttention") + 1
+            if layer_types == _pattern_types(layers, pattern):
+                a["sliding_window_pattern"] = pattern
     for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         if mt in ("gemma2", "gemma3_text") and c.get(key) is not None:
             a[key] = float(c[key])
