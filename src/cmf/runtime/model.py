@@ -26,22 +26,40 @@ class ContextOverflow(CmfError):
     """The sequence would exceed the context limit."""
 
 
+class UnknownTask(CmfError, KeyError):
+    """No task mask of that name in the file."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown task"
+
+
+class UnknownSkill(CmfError, KeyError):
+    """No skill of that id in the file."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown skill"
+
+
 class Model:
     """A runnable model over one open CMF file. Create with :func:`cmf.load`."""
 
-    def __init__(self, file: CmfFile, *, skill: str | None = None, ctx_size: int | None = None,
-                 reference_kernels: bool = False, batch_size: int = 512) -> None:
+    def __init__(self, file: CmfFile, *, skill: str | None = None, task: str | None = None,
+                 ctx_size: int | None = None, reference_kernels: bool = False, batch_size: int = 512) -> None:
         if file.is_skill_file:
             raise NotRunnable(f"{file.path} is a standalone skill file (SKILL_FILE): a partial tensor set, "
                               f"not a model. Attach it first: cmf skill apply BASE {file.path.name} -o OUT.cmf")
         self.file = file
         self.arch = file.arch
+        self._reference = reference_kernels
+        self._check_skill(skill)
         self.weights = Weights(file, skill, reference_kernels=reference_kernels)
+        self.task: str | None = None
         self.plan: ModelPlan = build_plan(self.arch, self.weights.shape)
         self.ctx_size = int(ctx_size or self.plan.max_positions)
         self.batch_size = max(1, int(batch_size))
         self._tokenizer = None
         self._prepare()
+        self.select(task=task)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _norm(self, name: str | None) -> np.ndarray | None:
@@ -64,6 +82,44 @@ class Model:
             })
         self._final_norm = self._norm(self.plan.final_norm)
         self._lm_head = w.linear(self.plan.lm_head)
+
+    # -- tasks and skills --------------------------------------------------------------------------
+    @property
+    def skills(self) -> list[str]:
+        """Skill ids of the file's registry."""
+        return [s.id for s in self.file.skills]
+
+    @property
+    def tasks(self) -> list[str]:
+        """Task mask names of the file (empty without a masks section)."""
+        return self.file.masks.names() if self.file.masks is not None else []
+
+    @property
+    def skill(self) -> str | None:
+        return self.weights.skill
+
+    def _check_skill(self, skill: str | None) -> None:
+        if skill not in (None, "none") and skill not in [s.id for s in self.file.skills]:
+            known = ", ".join(s.id for s in self.file.skills) or "none"
+            raise UnknownSkill(f"{self.file.path}: no skill {skill!r} (skills: {known})")
+
+    def select(self, *, task: str | None = None, skill: str | None = ...) -> None:  # type: ignore[assignment]
+        """Switch the active task mask and/or skill without reloading (``skill=None``: the backbone).
+
+        Unknown names raise UnknownTask / UnknownSkill. Switching a skill re-prepares only the
+        layers whose tensors the skill replaces (the others keep their prepared operators).
+        """
+        if task is not None and task not in self.tasks:
+            raise UnknownTask(f"{self.file.path}: no task {task!r} (tasks: {', '.join(self.tasks) or 'none'})")
+        if task is None and self.file.masks is not None:
+            task = self.file.masks.default_task
+        self.task = task
+        if skill is not ...:
+            skill = None if skill == "none" else skill
+            if skill != self.weights.skill:
+                self._check_skill(skill)
+                self.weights = Weights(self.file, skill, reference_kernels=self._reference)
+                self._prepare()
 
     @property
     def tokenizer(self):
@@ -215,11 +271,9 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         except ImportError:  # pragma: no cover
             pass
-    if task is not None:
-        log.warning("task masks are not applied by this runtime yet (task=%r ignored)", task)
     file = cmf_open(Path(path))
     try:
-        return Model(file, skill=skill, ctx_size=ctx_size, reference_kernels=reference_kernels,
+        return Model(file, skill=skill, task=task, ctx_size=ctx_size, reference_kernels=reference_kernels,
                      batch_size=batch_size)
     except BaseException:
         file.close()
