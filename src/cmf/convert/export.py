@@ -159,7 +159,9 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
               "linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim"):
         if a.get(k) is not None:
-            cfg[k] = a[k]
+            v = a[k]
+            # transformers types query_pre_attn_scalar as int; the header stores a number.
+            cfg[k] = int(v) if k == "query_pre_attn_scalar" and float(v).is_integer() else v
     moe = a.get("moe")
     if moe:
         n_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
