@@ -1,11 +1,13 @@
 """End-to-end quick start on a small model built offline (no network).
 
-1. build a tiny Qwen3-shaped checkpoint (seeded random weights) and a byte-level BPE tokenizer;
-2. write it as one .cmf (matrices quantized, norms f16, tokenizer + chat template embedded, a task mask);
-3. reopen it, verify the whole hash chain, sign it and check the signature;
-4. print `cmf info` and `cmf masks`.
+1. take a small Hugging Face checkpoint: ``../shared/models/base`` when present (a trained Qwen3),
+   else a tiny random Qwen3 built here with numpy + safetensors + a BPE tokenizer (no network);
+2. convert it into one .cmf (``cmf.convert.convert``: quantized matrices, tokenizer, chat template);
+3. verify the whole hash chain, sign it and check the signature;
+4. print ``cmf info``;
+5. generate a continuation (``--chat`` applies the file's chat template).
 
-Run: ``scripts/demo.sh`` (or ``python examples/quickstart.py [--out DIR] [--quant q8_row]``).
+Run: ``scripts/demo.sh`` (or ``python examples/quickstart.py [--out DIR] [--hf FOLDER] [--quant q4tp]``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from pathlib import Path
 import numpy as np
 
 import cmf
-from cmf.format.masks import MaskSet, TaskMask
-from cmf.format.writer import CmfWriter
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -79,70 +79,83 @@ def build_model(seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
     return cfg, w
 
 
-def header_for(cfg: dict, quant_label: str) -> dict:
-    return {
-        "format": "cmf", "version": 2, "quant_type": "Q8_ROW" if quant_label.startswith("q8") else "F16",
-        "arch": {
-            "arch_name": "qwen3", "hidden_size": cfg["hidden"], "intermediate_size": cfg["inter"],
-            "num_layers": cfg["layers"], "num_attention_heads": cfg["heads"], "num_kv_heads": cfg["kv"],
-            "head_dim": cfg["head_dim"], "vocab_size": cfg["vocab"],
-            "layer_types": ["FullAttention"] * cfg["layers"], "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 512, "norm_style": "qwen", "rope_theta": 1000000.0,
-            "tie_word_embeddings": False,
-        },
-        "tokenizer_config": {"chat_template": CHATML, "eos_token_ids": [2], "bos_token_id": None,
-                             "pad_token_id": 0},
-        "provenance": {"tool": f"pycmf {cmf.__version__} quickstart", "source_model": "random tiny qwen3"},
+def write_hf_folder(folder: Path, cfg: dict, weights: dict[str, np.ndarray], tokenizer_json: str) -> Path:
+    """Save the random checkpoint the way Hugging Face does: config.json + model.safetensors + tokenizer."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": cfg["hidden"],
+        "intermediate_size": cfg["inter"], "num_hidden_layers": cfg["layers"],
+        "num_attention_heads": cfg["heads"], "num_key_value_heads": cfg["kv"], "head_dim": cfg["head_dim"],
+        "vocab_size": cfg["vocab"], "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": 2, "bos_token_id": None, "torch_dtype": "float32",
     }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    (folder / "chat_template.jinja").write_text(CHATML)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: a temporary one)")
-    ap.add_argument("--quant", default="q8_row", help="dtype for 2-D matrices (default q8_row)")
+    ap.add_argument("--hf", default=None, help="a Hugging Face model folder to use instead of the built-in "
+                    "choice (../shared/models/base when present, else a tiny random Qwen3)")
+    ap.add_argument("--tiny", action="store_true", help="use the built-in tiny random model even when "
+                    "../shared/models/base exists")
+    ap.add_argument("--quant", default="q8", help="converter --quant (default q8)")
+    ap.add_argument("--prompt", default="The borrow checker")
+    ap.add_argument("--chat", action="store_true", help="apply the chat template (the base model is not chat-tuned)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="pycmf-quickstart-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "tiny-qwen3.cmf"
-
     t0 = time.perf_counter()
-    cfg, weights = build_model()
-    tokenizer_json = build_tokenizer(cfg["vocab"])
-    print(f"[1/4] built a tiny qwen3 ({sum(a.size for a in weights.values()):,} parameters) and a "
-          f"{len(json.loads(tokenizer_json)['model']['vocab'])}-token BPE tokenizer")
 
-    rng = np.random.default_rng(1)
-    coding = TaskMask(task_id=1, name="coding", ffn=rng.random((cfg["layers"], cfg["inter"])) < 0.5,
-                      heads=np.ones((cfg["layers"], cfg["heads"]), bool), gates=np.ones(cfg["layers"], bool))
-    general = TaskMask(task_id=0, name="general", ffn=np.ones((cfg["layers"], cfg["inter"]), bool),
-                       heads=np.ones((cfg["layers"], cfg["heads"]), bool), gates=np.ones(cfg["layers"], bool))
-    with CmfWriter(path, header_for(cfg, args.quant)) as w:
-        for name, a in weights.items():
-            dtype = args.quant if a.ndim == 2 and a.size >= 32 else "f16"
-            w.add_array(name, a, dtype)
-        w.set_vocab(tokenizer_json)
-        w.set_masks(MaskSet(default_task="general", masks=[general, coding]))
-    print(f"[2/4] wrote {path} ({path.stat().st_size:,} bytes, matrices as {args.quant})")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "models" / "base"
+    if args.hf:
+        source = Path(args.hf)
+        print(f"[1/5] source: {source}")
+    elif shared.is_dir() and not args.tiny:
+        source = shared
+        print(f"[1/5] source: {source} (a small Qwen3 trained on technical prose)")
+    else:
+        cfg, weights = build_model()
+        source = write_hf_folder(out_dir / "tiny-qwen3-hf", cfg, weights, build_tokenizer(cfg["vocab"]))
+        print(f"[1/5] built a tiny random Qwen3 checkpoint ({sum(a.size for a in weights.values()):,} "
+              f"parameters) in {source}")
+
+    from cmf.convert import convert
+
+    path = out_dir / f"model-{args.quant}.cmf"
+    convert(source, path, quant=args.quant)
+    print(f"[2/5] converted to {path} ({path.stat().st_size:,} bytes, --quant {args.quant})")
+
+    from cmf.format.signature import sign_file, verify_signature
 
     with cmf.open(path) as f:
         problems = f.verify()
-        err = max(float(np.abs(f.array(n) - weights[n]).max()) for n in f.keys() if weights[n].ndim == 2)
     if problems:
         print("verify found problems:", *problems, sep="\n  ")
         return 1
-    from cmf.format.signature import sign_file, verify_signature
-
     sign_file(path, out_dir / "quickstart-signing.key")
     sig = verify_signature(path)
-    print(f"[3/4] verify: OK (every hash64), max |decoded - source| = {err:.2e}; signature: "
-          f"{'OK' if sig else 'missing'}")
+    print(f"[3/5] verify: every hash64 OK; detached Ed25519 signature: {'OK' if sig else 'missing'}")
 
     from cmf.cli import main as cli
 
-    print("[4/4] cmf info / cmf masks:\n")
+    print("[4/5] cmf info:\n")
     cli(["info", str(path)])
-    print()
-    cli(["masks", str(path)])
+    print(f"\n[5/5] generate (greedy, {'chat template' if args.chat else 'raw completion'}): {args.prompt!r}\n")
+    with cmf.load(path) as model:
+        last = None
+        for r in model.stream(args.prompt, max_tokens=48, raw=not args.chat):
+            print(r.text, end="", flush=True)
+            last = r
+        print(f"\n\n  [{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, finish: {last.finish_reason}]")
     print(f"\ndone in {time.perf_counter() - t0:.1f} s — files in {out_dir}")
     return 0
 
