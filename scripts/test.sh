@@ -7,5 +7,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,torch]'
 exec .venv/bin/python -m pytest -q "$@"
