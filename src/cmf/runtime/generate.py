@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -77,8 +77,14 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                     logit_bias: dict | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
                     raw: bool = False, system: str | None = None, thinking: bool | None = None,
-                    tools: list | None = None, ignore_eos: bool = False) -> Iterator[GenerationResponse]:
-    """Yield text deltas; the last response carries ``finish_reason`` ("stop" or "length")."""
+                    tools: list | None = None, ignore_eos: bool = False,
+                    on_token: Callable[[int, np.ndarray], None] | None = None) -> Iterator[GenerationResponse]:
+    """Yield text deltas; the last response carries ``finish_reason`` ("stop" or "length").
+
+    ``on_token(token, logits)`` is called for every sampled token (EOS included) with the processed
+    logits it was drawn from, before its text is emitted: the server computes logprobs there, and
+    an exception raised by it stops the generation (how a disconnected client cancels its work).
+    """
     ids = prompt_ids_for(model, prompt, raw=raw, system=system, thinking=thinking, tools=tools)
     if not ids:
         raise ValueError("the prompt is empty")
@@ -102,10 +108,12 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                                   (n - 1) / dec if dec > 0 and n > 1 else 0.0, _peak_mb(), pre)
 
     finish = "length"
-    for token, _ in generate_step(model, ids, sampler=sampler, processors=procs, max_tokens=max_tokens):
+    for token, logits in generate_step(model, ids, sampler=sampler, processors=procs, max_tokens=max_tokens):
         if t_first is None:
             t_first = time.perf_counter()
         n += 1
+        if on_token is not None:
+            on_token(token, logits)
         if token in tok.eos_ids and not ignore_eos:
             finish = "stop"
             break
