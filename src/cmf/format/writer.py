@@ -137,7 +137,7 @@ def finalize_header(header: Mapping[str, Any], sections: Mapping[str, bytes]) ->
 
 
 def build_head(header: Mapping[str, Any], entries: list[Entry], data_len: int,
-               sections: Mapping[str, bytes]) -> tuple[bytes, int, dict[str, Any]]:
+               sections: Mapping[str, bytes], min_data_off: int = 0) -> tuple[bytes, int, dict[str, Any]]:
     """Envelope + header + directory bytes for a fresh file, and the data offset.
 
     Returns (head, data_off, final_header). Masks/vocab/index follow the data back to back.
@@ -153,7 +153,7 @@ def build_head(header: Mapping[str, Any], entries: list[Entry], data_len: int,
                                  [e.nbytes for e in entries], [e.hash for e in entries])
     header_off = ENVELOPE_SIZE
     dir_off = header_off + len(header_bytes)
-    data_off = align_up(dir_off + len(directory), DATA_ALIGN)
+    data_off = max(align_up(dir_off + len(directory), DATA_ALIGN), min_data_off)
     secs = {"header": Section(header_off, len(header_bytes)), "dir": Section(dir_off, len(directory)),
             "data": Section(data_off, data_len)}
     cursor = data_off + data_len
@@ -181,27 +181,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def copy_range(src_fd: int, dst_fd: int, length: int) -> None:
-    """Copy ``length`` bytes from the start of src to the current end of dst (kernel-side if possible)."""
-    src_off = 0
-    while src_off < length:
+def copy_range(src_fd: int, dst_fd: int, length: int, start: int = 0) -> None:
+    """Copy ``length`` bytes from src offset ``start`` to the current end of dst (kernel-side if possible)."""
+    done = 0
+    while done < length:
         n = 0
         try:
-            n = os.copy_file_range(src_fd, dst_fd, length - src_off, src_off)
+            n = os.copy_file_range(src_fd, dst_fd, length - done, start + done)
         except (AttributeError, OSError):
-            chunk = os.pread(src_fd, min(length - src_off, 1 << 24), src_off)
+            chunk = os.pread(src_fd, min(length - done, 1 << 24), start + done)
             n = os.write(dst_fd, chunk)
         if n <= 0:
-            raise IoError(f"short copy at byte {src_off} of {length}")
-        src_off += n
+            raise IoError(f"short copy at byte {done} of {length}")
+        done += n
 
 
 class _Spool:
     """A temporary data blob: payloads appended at their aligned relative offsets."""
 
-    def __init__(self, folder: Path, stem: str) -> None:
-        fd, name = tempfile.mkstemp(prefix=f".{stem}.", suffix=".spool", dir=folder)
+    def __init__(self, folder: Path, stem: str, base: int = 0) -> None:
+        fd, name = tempfile.mkstemp(prefix=f".{stem}.", suffix=".spool" if not base else ".tmp", dir=folder)
         self.fd, self.path = fd, Path(name)
+        self.base = base  # direct mode: payloads already sit at their final offset (base = data_off)
         self.size = 0
         self.entries: list[Entry] = []
         self.estimate = 0
@@ -209,10 +210,10 @@ class _Spool:
     def add(self, name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview, h: int) -> Entry:
         off = align_up(self.size, tensor_alignment(len(view)))
         if off > self.size:
-            os.pwrite(self.fd, bytes(off - self.size), self.size)
+            os.pwrite(self.fd, bytes(off - self.size), self.base + self.size)
         written = 0
         while written < len(view):
-            written += os.pwrite(self.fd, view[written:], off + written)
+            written += os.pwrite(self.fd, view[written:], self.base + off + written)
         self.size = off + len(view)
         entry = Entry(name, dtype, shape, off, len(view), h)
         self.entries.append(entry)
@@ -233,7 +234,7 @@ def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | 
     try:
         os.write(fd, head + bytes(data_off - len(head)))
         if spool is not None and spool.size:
-            copy_range(spool.fd, fd, spool.size)
+            copy_range(spool.fd, fd, spool.size, spool.base)
         for blob in tail:
             mv = memoryview(blob)
             while len(mv):
@@ -262,7 +263,8 @@ class CmfWriter:
     """
 
     def __init__(self, path: str | os.PathLike, header: Mapping[str, Any], *,
-                 max_shard_bytes: int | None = None, sparse_index: bool = False) -> None:
+                 max_shard_bytes: int | None = None, sparse_index: bool = False,
+                 expected_names: Iterable[str] | None = None) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise WriterError(f"{self.path.parent}: output folder does not exist")
@@ -278,6 +280,15 @@ class CmfWriter:
         self._vocab: bytes | None = None
         self._state = "open"
         self.outputs: list[Path] = []
+        # Direct mode: with the tensor names known up front, the directory size is known, so the
+        # data can be written at its final offset and never copied (the reference stream writer
+        # reserves a head gap the same way). Without the hint the layout is the compact one.
+        self._reserve = 0
+        if expected_names is not None and max_shard_bytes is None:
+            names = list(expected_names)
+            probe = finalize_header(self.header, {"masks": b"x", "vocab": b"x", "index": b"x"})
+            dir_len = 16 + 56 * len(names) + sum(len(n.encode("utf-8")) for n in names)
+            self._reserve = align_up(ENVELOPE_SIZE + len(serialize_header(probe)) + 1024 + dir_len, DATA_ALIGN)
 
     # -- input -----------------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -316,7 +327,7 @@ class CmfWriter:
 
     def _spool_for(self, nbytes: int) -> _Spool:
         if not self._spools:
-            self._spools.append(_Spool(self.path.parent, self.path.name))
+            self._spools.append(_Spool(self.path.parent, self.path.name, self._reserve))
         cur = self._spools[-1]
         if (self.max_shard_bytes is not None and cur.entries
                 and align_up(cur.size, tensor_alignment(nbytes)) + nbytes > self.max_shard_bytes):
@@ -373,14 +384,21 @@ class CmfWriter:
         """Lay out and atomically write the file(s); returns the paths written."""
         self._require_open()
         try:
-            spools = self._spools or [_Spool(self.path.parent, self.path.name)]
+            spools = self._spools or [_Spool(self.path.parent, self.path.name, self._reserve)]
             self._spools = spools
             sections = self._sections()
             count = len(spools)
             if count == 1:
-                head, data_off, _ = build_head(self.header, spools[0].entries, spools[0].size, sections)
+                sp = spools[0]
                 tail = [sections[k] for k in ("masks", "vocab", "index") if sections.get(k)]
-                write_file_atomic(self.path, head, data_off, spools[0], tail)
+                head, data_off, _ = build_head(self.header, sp.entries, sp.size, sections, sp.base)
+                if sp.base and data_off == sp.base:
+                    self._finish_in_place(sp, head, tail)
+                else:
+                    if sp.base:
+                        log.info("%s: header outgrew the reserved head; copying the data once", self.path)
+                        head, data_off, _ = build_head(self.header, sp.entries, sp.size, sections)
+                    write_file_atomic(self.path, head, data_off, sp, tail)
                 self.outputs = [self.path]
             else:
                 self.outputs = self._finish_sharded(spools, sections)
@@ -391,6 +409,21 @@ class CmfWriter:
             s.discard()
         self._state = "finished"
         return self.outputs
+
+    def _finish_in_place(self, sp: _Spool, head: bytes, tail: list[bytes]) -> None:
+        """Direct mode: the data already sits at data_off in the temp file; add head and tail, rename."""
+        os.pwrite(sp.fd, head, 0)  # the gap up to data_off is a hole: it reads as zeros
+        end = sp.base + sp.size
+        for blob in tail:
+            mv = memoryview(blob)
+            while len(mv):
+                n = os.pwrite(sp.fd, mv, end)
+                mv, end = mv[n:], end + n
+        os.fsync(sp.fd)
+        os.close(sp.fd)
+        sp.fd = -1
+        os.replace(sp.path, self.path)
+        fsync_dir(self.path.parent)
 
     def _finish_sharded(self, spools: list[_Spool], sections: dict[str, bytes]) -> list[Path]:
         from .reader import shard_name
