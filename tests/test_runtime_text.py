@@ -160,3 +160,51 @@ def test_logits_processors_math():
     np.testing.assert_allclose(pf(logits, [2, 2, 3]), [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25])
     (bias,) = make_logits_processors(logit_bias={1: 10.0, 99: 5.0})
     np.testing.assert_allclose(bias(logits, []), [2.0, 8.0, 1.0, 0.5])
+
+
+def test_tokenizer_sources_embedded_sidecar_bytes(tmp_path, hf_tokenizer_dir):
+    """Embedded vocab section first, then a sidecar tokenizer.json, then raw bytes."""
+    from _builders import header
+
+    from cmf.format.reader import open as cmf_open
+    from cmf.format.writer import CmfWriter
+    from cmf.runtime.tokenizer import load_tokenizer
+
+    tj = (hf_tokenizer_dir / "tokenizer.json").read_bytes()
+    emb = tmp_path / "emb" / "m.cmf"
+    emb.parent.mkdir()
+    with CmfWriter(emb, header()) as w:
+        w.set_vocab(tj)
+    with cmf_open(emb) as f:
+        assert load_tokenizer(f).source == "embedded"
+    side = tmp_path / "side" / "m.cmf"
+    side.parent.mkdir()
+    CmfWriter(side, header()).finish()
+    with cmf_open(side) as f:
+        assert load_tokenizer(f).source == "bytes"
+        (side.parent / "tokenizer.json").write_bytes(tj)
+        tok = load_tokenizer(f)
+        assert tok.source.endswith("tokenizer.json") and tok.encode("hello") == tokenizer_from_json(tj).encode("hello")
+    raw = tmp_path / "raw" / "m.cmf"
+    raw.parent.mkdir()
+    CmfWriter(raw, header()).finish()
+    with cmf_open(raw) as f:
+        tok = load_tokenizer(f)
+        assert tok.encode("hé") == list("hé".encode())
+        dec = tok.stream_decoder()
+        assert [dec.step(b) for b in "é!".encode()] == ["", "é", "!"]
+
+
+def test_bos_from_post_processor(tmp_path):
+    """A llama-style tokenizer that declares a BOS prepends it on encode (as transformers does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    ours = tokenizer_from_json(tok.to_str())
+    assert ours.bos_id == 0
+    assert ours.encode("a b") == [0, 2, 3]
+    assert ours.encode("a b", add_special_tokens=False) == [2, 3]
+    assert 1 in ours.eos_ids
