@@ -15,6 +15,8 @@ import logging
 import os
 import re
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -228,8 +230,7 @@ def _load_route_stats(path: str | os.PathLike[str] | None) -> tuple[dict[int, li
 
 def _shared_copy(ckpt: Checkpoint, a: str, b: str) -> bool:
     """Whether two source tensors hold the same bytes (an MTP head's copy of the main head)."""
-    ta, tb = ckpt.tensors[a], ckpt.tensors[b]
-    return ta.dtype == tb.dtype and ta.shape == tb.shape and ckpt.raw_bytes(a) == ckpt.raw_bytes(b)
+    return ckpt.same_bytes(a, b)
 
 
 def _estimate(choice: Choice, shape: tuple[int, ...]) -> tuple[int, bool]:
@@ -400,8 +401,27 @@ def _encode(arr: np.ndarray, choice: Choice, bias: float | None) -> tuple[Any, D
     return quant.encode(arr, dtype, **opts), dtype
 
 
-def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> ConvertResult:
-    """Write the planned file(s) to ``out``; ``progress(n)`` gets the source bytes done so far."""
+def _produce(plan: Plan, it: PlanItem, bias: float | None) -> tuple[Any, Dtype]:
+    """Read, check and encode one tensor (runs on a worker thread)."""
+    arr = plan.checkpoint.read(it.source, it.cut)
+    if it.choice.dtype not in ("f32", "f16", "bf16") and not np.isfinite(arr).all():
+        raise ConvertError(f"tensor {it.source!r} holds NaN or infinity; cannot quantize it")
+    return _encode(arr, it.choice, bias)
+
+
+def _f32_bytes(it: PlanItem) -> int:
+    return 4 * int(np.prod(it.shape, dtype=np.int64))
+
+
+def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], None] | None = None,
+            workers: int | None = None) -> ConvertResult:
+    """Write the planned file(s) to ``out``; ``progress(n)`` gets the source bytes done so far.
+
+    Tensors are read and encoded on ``workers`` threads (default: up to 4, one per core) and
+    written in plan order by this thread, so the output does not depend on the thread count.
+    The tensors in flight never hold more than the largest one's f32 size together (or 64 MB):
+    small tensors overlap, the largest runs alone, and peak memory stays near one tensor.
+    """
     t0 = time.perf_counter()
     out = Path(out)
     if out.is_dir():
@@ -415,22 +435,41 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
             fam_members.setdefault(key, []).append(it)
     biases: dict[str, float] = {}
     done_families: set[tuple[str, str]] = set()
+    n_workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
+    cap = max((_f32_bytes(i) for i in plan.items), default=0)
+    cap = max(cap, 64 << 20)
     try:
-        with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes) as w:
-            for it in plan.items:
-                key = _family_key(it.name)
-                if key in fam_members and key not in done_families:
-                    biases.update(_vbit_biases(plan, fam_members[key]))
-                    done_families.add(key)
-                arr = plan.checkpoint.read(it.source, it.cut)
-                if not np.isfinite(arr).all() and it.choice.dtype not in ("f32", "f16", "bf16"):
-                    raise ConvertError(f"tensor {it.source!r} holds NaN or infinity; cannot quantize it")
-                payload, dtype = _encode(arr, it.choice, biases.get(it.name))
+        with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes) as w, \
+                ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cmf-convert") as pool:
+            pending: deque[tuple[PlanItem, Future[tuple[Any, Dtype]]]] = deque()
+            in_flight = 0
+
+            def drain_one() -> None:
+                nonlocal in_flight
+                it, fut = pending.popleft()
+                payload, dtype = fut.result()
                 entry = w.add(it.name, dtype, it.shape, payload)
                 it.out_bytes, it.out_exact = entry.nbytes, True
-                del arr, payload
+                in_flight -= _f32_bytes(it)
                 if progress is not None:
                     progress(it.source_bytes)
+
+            try:
+                for it in plan.items:
+                    key = _family_key(it.name)
+                    if key in fam_members and key not in done_families:
+                        biases.update(_vbit_biases(plan, fam_members[key]))
+                        done_families.add(key)
+                    while pending and (len(pending) >= 2 * n_workers or in_flight + _f32_bytes(it) > cap):
+                        drain_one()
+                    pending.append((it, pool.submit(_produce, plan, it, biases.get(it.name))))
+                    in_flight += _f32_bytes(it)
+                while pending:
+                    drain_one()
+            except BaseException:
+                for _, fut in pending:
+                    fut.cancel()
+                raise
             if plan.tokenizer.tokenizer_json is not None:
                 w.set_vocab(plan.tokenizer.tokenizer_json)
         paths = list(w.outputs)

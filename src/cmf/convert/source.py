@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -146,6 +147,7 @@ class Checkpoint:
                 dtype, shape = meta[n]
                 self.tensors[n] = SourceTensor(n, path, dtype, shape, data_start + int(begin), int(end) - int(begin))
         self._handles: dict[Path, Any] = {}
+        self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -165,10 +167,11 @@ class Checkpoint:
         self.close()
 
     def _fh(self, path: Path) -> Any:
-        fh = self._handles.get(path)
-        if fh is None:
-            fh = self._handles[path] = open(path, "rb", buffering=0)
-        return fh
+        with self._lock:
+            fh = self._handles.get(path)
+            if fh is None:
+                fh = self._handles[path] = open(path, "rb", buffering=0)
+            return fh
 
     def check_float(self, name: str) -> SourceTensor:
         """The tensor ``name``; ConvertError unless it holds floats we can widen to f32."""
@@ -234,19 +237,34 @@ class Checkpoint:
                 dst[k:k + src.size] = src.astype(np.float32)
             done += n
 
-    def raw_bytes(self, name: str) -> bytes:
-        """The stored bytes of a tensor (used to compare MTP head copies cheaply)."""
-        t = self.tensors[name]
-        buf = bytearray(t.nbytes)
-        _pread_into(self._fh(t.path), memoryview(buf), t.offset, t)
-        return bytes(buf)
+    def same_bytes(self, a: str, b: str) -> bool:
+        """Whether two tensors hold identical dtype, shape and bytes (compared in chunks, so an
+        MTP module's copy of a 2 GB embedding costs two chunk buffers, not two embeddings)."""
+        ta, tb = self.tensors[a], self.tensors[b]
+        if (ta.dtype, ta.shape, ta.nbytes) != (tb.dtype, tb.shape, tb.nbytes):
+            return False
+        fa, fb = self._fh(ta.path), self._fh(tb.path)
+        for at in range(0, ta.nbytes, _CHUNK):
+            n = min(_CHUNK, ta.nbytes - at)
+            ba, bb = bytearray(n), bytearray(n)
+            _pread_into(fa, memoryview(ba), ta.offset + at, ta)
+            _pread_into(fb, memoryview(bb), tb.offset + at, tb)
+            if ba != bb:
+                return False
+        return True
 
 
 def _pread_into(fh: Any, mv: memoryview, off: int, t: SourceTensor) -> None:
+    """Fill ``mv`` from byte ``off``: positioned reads, so worker threads can share a handle."""
+    fd = fh.fileno()
     got = 0
     while got < len(mv):
-        fh.seek(off + got)
-        n = fh.readinto(mv[got:])
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [mv[got:]], off + got)
+        else:  # pragma: no cover - platforms without preadv
+            chunk = os.pread(fd, len(mv) - got, off + got)
+            n = len(chunk)
+            mv[got:got + n] = chunk
         if not n:
             raise ConvertError(f"{t.path}: unexpected end of file reading tensor {t.name!r}")
         got += n
