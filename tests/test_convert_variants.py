@@ -245,3 +245,42 @@ def test_cli_convert_and_errors(tmp_path, capsys) -> None:
     assert main(["convert", "-m", str(H.fixture("gemma2"))]) == 2
     assert "-o/--output is required" in capsys.readouterr().err
     assert not (tmp_path / "x.cmf").exists()
+
+
+def test_mtp_head_copy_that_differs_is_kept(tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cmf.convert import export
+
+    src = tmp_path / "src"
+    shutil.copytree(H.fixture("deepseek_v3", mtp=True), src)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.layers.2.shared_head.head.weight"] = sd["model.layers.2.shared_head.head.weight"] + 0.5
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = convert(src, tmp_path / "m.cmf", quant="f32").paths[0]
+    with cmf.open(out) as f:
+        assert f.header.raw["arch"]["mtp"] == {"num_layers": 1, "share_lm_head": False, "share_embed": True}
+        np.testing.assert_array_equal(f.array("model.mtp.lm_head.weight"),
+                                      sd["model.layers.2.shared_head.head.weight"].numpy())
+    export(out, tmp_path / "exp")
+    back = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_thread_count_does_not_change_the_bytes(tmp_path) -> None:
+    from cmf.convert import execute, plan
+
+    src = H.fixture("qwen3_5_moe")
+    one = execute(plan(src, "q4tp"), tmp_path / "one.cmf", workers=1).paths[0]
+    four = execute(plan(src, "q4tp"), tmp_path / "four.cmf", workers=4).paths[0]
+    assert one.read_bytes() == four.read_bytes()
+
+
+def test_no_progress_bar_without_a_tty(tmp_path, capsys) -> None:
+    src = H.fixture("qwen2")
+    capsys.readouterr()  # transformers' own bars while building the fixture
+    assert main(["convert", "-m", str(src), "-o", str(tmp_path / "m.cmf"), "--quant", "q4"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == "" and "m.cmf: " in cap.out and "GB/s" in cap.out
