@@ -39,6 +39,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "measure prefill (ppN) and decode (tgN) speed"),
     "convert": ("convert", "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"),
     "export": ("export", "write a .cmf as a Hugging Face folder (safetensors + config + tokenizer)"),
+    "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
 }
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2

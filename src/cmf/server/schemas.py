@@ -1,0 +1,518 @@
+"""OpenAI request validation and response shapes, as pure functions (no model, no HTTP).
+
+Requests are checked field by field before anything is queued: a wrong type, an out-of-range
+value or an unsupported option raises :class:`RequestError`, which carries the HTTP status and the
+OpenAI error fields (``message``, ``type``, ``param``, ``code``). Unknown fields are ignored, as
+OpenAI-compatible servers do, except the few whose silent omission would change the answer
+(``n`` > 1, ``best_of`` > 1, ``suffix``, a structured ``response_format``): those are refused.
+
+Responses are built here too, so their shapes live in one file: ``chat.completion``,
+``chat.completion.chunk``, ``text_completion``, ``model``/``list`` and the error body.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# OpenAI's own limits, kept so that a request valid here is valid there.
+MAX_STOP = 16  # OpenAI allows 4; llama.cpp-style clients send more, each costs one find() per token
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_UNSET: Any = ...  # a field that was absent (``null`` is a value: "the backbone", "the default task")
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status`` and the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type(status)
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for a status (the client maps the status itself to an exception)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    """A 400 invalid_request_error."""
+    return RequestError(400, message, param=param, code=code)
+
+
+# ----------------------------------------------------------------------------------- field checks
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _int(body: Mapping[str, Any], key: str, *, lo: int | None = None, hi: int | None = None,
+         default: Any = None, param: str | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    p = param or key
+    # JSON has one number type: 5.0 is accepted as 5, True is not (bool is an int in Python).
+    if isinstance(v, float) and v.is_integer() and math.isfinite(v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{p}' must be an integer, got {_type_name(v)}", p, "invalid_type")
+    if lo is not None and v < lo:
+        raise bad(f"'{p}' must be >= {lo}, got {v}", p, "invalid_value")
+    if hi is not None and v > hi:
+        raise bad(f"'{p}' must be <= {hi}, got {v}", p, "invalid_value")
+    return v
+
+
+def _num(body: Mapping[str, Any], key: str, *, lo: float | None = None, hi: float | None = None,
+         default: Any = None, lo_open: bool = False, param: str | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    p = param or key
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(f"'{p}' must be a number, got {_type_name(v)}", p, "invalid_type")
+    v = float(v)
+    if not math.isfinite(v):
+        raise bad(f"'{p}' must be a finite number", p, "invalid_value")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise bad(f"'{p}' must be {'>' if lo_open else '>='} {lo:g}, got {v:g}", p, "invalid_value")
+    if hi is not None and v > hi:
+        raise bad(f"'{p}' must be <= {hi:g}, got {v:g}", p, "invalid_value")
+    return v
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool = False, param: str | None = None) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        p = param or key
+        raise bad(f"'{p}' must be a boolean, got {_type_name(v)}", p, "invalid_type")
+    return v
+
+
+def _str(body: Mapping[str, Any], key: str, default: Any = None, param: str | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        p = param or key
+        raise bad(f"'{p}' must be a string, got {_type_name(v)}", p, "invalid_type")
+    return v
+
+
+def _obj(body: Mapping[str, Any], key: str, param: str | None = None) -> dict[str, Any] | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        p = param or key
+        raise bad(f"'{p}' must be an object, got {_type_name(v)}", p, "invalid_type")
+    return v
+
+
+# ----------------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Selection:
+    """The request's ``cmf`` object: which task mask, skill or blend runs it (``...`` = server default)."""
+
+    task: Any = _UNSET
+    skill: Any = _UNSET
+    blend: dict[str, float] | None = None
+
+
+@dataclass
+class Sampling:
+    """Decoding options shared by chat and completions (``max_tokens`` None: up to the context)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``cmf.runtime.generate.stream_generate`` (without max_tokens)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None, seed=self.seed,
+                    stop=self.stop or None, ignore_eos=self.ignore_eos)
+
+
+@dataclass
+class ChatRequest:
+    """A validated ``POST /v1/chat/completions`` body."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict[str, Any]] | None = None
+    thinking: bool | None = None
+    selection: Selection = field(default_factory=Selection)
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
+
+    model: str | None
+    prompt: str | list[int]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    selection: Selection = field(default_factory=Selection)
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+    if len(v) > MAX_STOP:
+        raise bad(f"'stop' may hold at most {MAX_STOP} sequences, got {len(v)}", "stop", "invalid_value")
+    return [s for s in v if s]
+
+
+def _logit_bias(body: Mapping[str, Any], vocab: int) -> dict[int, float]:
+    v = _obj(body, "logit_bias")
+    if not v:
+        return {}
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {k[:40]!r}", "logit_bias", "invalid_value") from None
+        if not 0 <= tid < vocab:
+            raise bad(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab})", "logit_bias",
+                      "invalid_value")
+        out[tid] = _num(v, k, lo=-100.0, hi=100.0, param=f"logit_bias.{tid}")
+    return out
+
+
+def _sampling(body: Mapping[str, Any], vocab: int, *, chat: bool) -> Sampling:
+    n = _int(body, "n", default=1)
+    if n != 1:
+        raise bad(f"only n=1 is supported (one choice per request), got n={n}", "n", "unsupported_value")
+    best_of = _int(body, "best_of", default=1)
+    if best_of != 1:
+        raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
+    max_tokens = _int(body, "max_tokens", lo=1)
+    if chat:
+        mct = _int(body, "max_completion_tokens", lo=1)
+        if mct is not None:  # the newer name wins, as in OpenAI's API
+            max_tokens = mct
+    rp = _num(body, "repeat_penalty", lo=0.0, lo_open=True)
+    if rp is None:
+        rp = _num(body, "repetition_penalty", lo=0.0, lo_open=True)
+    seed = _int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", lo=0.0, hi=2.0, default=1.0),
+        top_p=_num(body, "top_p", lo=0.0, hi=1.0, default=1.0),
+        top_k=_int(body, "top_k", lo=0, default=0),
+        min_p=_num(body, "min_p", lo=0.0, hi=1.0, default=0.0),
+        repetition_penalty=rp,
+        presence_penalty=_num(body, "presence_penalty", lo=-2.0, hi=2.0, default=0.0),
+        frequency_penalty=_num(body, "frequency_penalty", lo=-2.0, hi=2.0, default=0.0),
+        logit_bias=_logit_bias(body, vocab),
+        # The sampler's generator takes a non-negative seed; OpenAI's is a signed 64-bit integer.
+        seed=None if seed is None else seed % 2**64,
+        stop=_stop(body),
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = _obj(body, "stream_options")
+    include = _bool(opts, "include_usage", param="stream_options.include_usage") if opts else False
+    return stream, include and stream
+
+
+def _selection(body: Mapping[str, Any]) -> Selection:
+    c = _obj(body, "cmf")
+    if c is None:
+        return Selection()
+    sel = Selection()
+    for key in ("task", "skill"):
+        if key in c:
+            v = c[key]
+            if v is not None and not isinstance(v, str):
+                raise bad(f"'cmf.{key}' must be a string or null, got {_type_name(v)}", f"cmf.{key}", "invalid_type")
+            setattr(sel, key, v)
+    blend = _obj(c, "blend", param="cmf.blend")
+    if blend is not None:
+        if not blend:
+            raise bad("'cmf.blend' must name at least one skill", "cmf.blend", "invalid_value")
+        sel.blend = {str(k): _num(blend, k, lo=0.0, param=f"cmf.blend.{k}") for k in blend}
+    return sel
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(f"'{p}' must be an object, got {_type_name(m)}", p, "invalid_type")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise bad(f"'{p}.role' must be a string", f"{p}.role", "invalid_type")
+    if role not in ROLES:
+        raise bad(f"'{p}.role' must be one of {', '.join(ROLES)}; got {role[:40]!r}", f"{p}.role", "invalid_value")
+    content = m.get("content")
+    if content is None:
+        if role != "assistant":  # an assistant turn may carry only tool_calls
+            raise bad(f"'{p}.content' is required for role {role!r}", f"{p}.content", "missing_field")
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            pp = f"{p}.content[{j}]"
+            if not isinstance(part, dict):
+                raise bad(f"'{pp}' must be an object, got {_type_name(part)}", pp, "invalid_type")
+            kind = part.get("type")
+            if kind != "text":
+                raise bad(f"'{pp}.type' {str(kind)[:40]!r} is not supported: only text parts", f"{pp}.type",
+                          "unsupported_value")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"'{pp}.text' must be a string", f"{pp}.text", "invalid_type")
+            parts.append(part["text"])
+        text = "".join(parts)  # as cmf.runtime.chat.message_text joins text parts
+    else:
+        raise bad(f"'{p}.content' must be a string or an array of text parts, got {_type_name(content)}",
+                  f"{p}.content", "invalid_type")
+    # Templates know "system"; OpenAI's newer "developer" role means the same to a local model.
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    if isinstance(m.get("tool_calls"), list):
+        out["tool_calls"] = m["tool_calls"]
+    return out
+
+
+def parse_chat(body: Any, *, vocab: int) -> ChatRequest:
+    """Validate a chat completions body; raises RequestError naming the offending field."""
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
+    model = _str(body, "model")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("'messages' is required", "messages", "missing_field")
+    if not isinstance(msgs, list):
+        raise bad(f"'messages' must be an array, got {_type_name(msgs)}", "messages", "invalid_type")
+    if not msgs:
+        raise bad("'messages' must hold at least one message", "messages", "invalid_value")
+    messages = [_message(i, m) for i, m in enumerate(msgs)]
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS, default=0)
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise bad("'tools' must be an array of objects", "tools", "invalid_type")
+    rf = _obj(body, "response_format")
+    if rf is not None and rf.get("type", "text") != "text":
+        raise bad(f"'response_format' {str(rf.get('type'))[:40]!r} is not supported: only text", "response_format",
+                  "unsupported_value")
+    thinking = None
+    ctk = _obj(body, "chat_template_kwargs")  # vLLM's spelling, which many clients already send
+    if ctk is not None and "enable_thinking" in ctk:
+        thinking = _bool(ctk, "enable_thinking", param="chat_template_kwargs.enable_thinking")
+    c = _obj(body, "cmf")
+    if c is not None and "thinking" in c:
+        thinking = _bool(c, "thinking", param="cmf.thinking")
+    stream, include_usage = _stream(body)
+    return ChatRequest(model=model, messages=messages, sampling=_sampling(body, vocab, chat=True), stream=stream,
+                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top, tools=tools or None,
+                       thinking=thinking, selection=_selection(body))
+
+
+def _prompt(body: Mapping[str, Any], vocab: int) -> str | list[int]:
+    v = body.get("prompt")
+    if v is None:
+        raise bad("'prompt' is required", "prompt", "missing_field")
+    # A batch of one prompt ([text] or [[ids]]) is a single prompt; a larger batch would be n > 1.
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise bad("'prompt' must not be empty", "prompt", "invalid_value")
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        bad_ids = [t for t in v if not 0 <= t < vocab]
+        if bad_ids:
+            raise bad(f"'prompt' token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", "prompt",
+                      "invalid_value")
+        return list(v)
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(t, (str, list)) for t in v):
+        raise bad(f"one prompt per request is supported, got a batch of {len(v)}", "prompt", "unsupported_value")
+    raise bad("'prompt' must be a string or an array of token ids", "prompt", "invalid_type")
+
+
+def parse_completion(body: Any, *, vocab: int) -> CompletionRequest:
+    """Validate a (legacy) completions body; raises RequestError naming the offending field."""
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
+    model = _str(body, "model")
+    prompt = _prompt(body, vocab)
+    if body.get("suffix"):
+        raise bad("'suffix' (fill-in-the-middle) is not supported", "suffix", "unsupported_value")
+    stream, include_usage = _stream(body)
+    return CompletionRequest(model=model, prompt=prompt, sampling=_sampling(body, vocab, chat=False), stream=stream,
+                             include_usage=include_usage,
+                             logprobs=_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
+                             echo=_bool(body, "echo"), selection=_selection(body))
+
+
+# ----------------------------------------------------------------------------------- responses
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token with its log probability and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = field(default_factory=list)
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id: ``chatcmpl-…`` / ``cmpl-…``."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs`` of a chat completion (or chunk)."""
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset``: characters of text before the first token."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: lp for t, lp, _ in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_completion(id: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int, logprobs: list[TokenLogprob] | None = None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object (one choice)."""
+    out: dict[str, Any] = {
+        "id": id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+                     "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+    if extra:
+        out["cmf"] = extra
+    return out
+
+
+def chat_chunk(id: str, created: int, model: str, delta: dict[str, Any] | None, *, finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None, usage_obj: dict[str, int] | None = None,
+               with_usage_field: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta=None`` gives the usage-only chunk (``choices: []``)."""
+    out: dict[str, Any] = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None, "choices": []}
+    if delta is not None:
+        out["choices"] = [{"index": 0, "delta": delta,
+                           "logprobs": chat_logprobs(logprobs) if logprobs else None,
+                           "finish_reason": finish_reason}]
+    if with_usage_field or usage_obj is not None:  # OpenAI sends "usage": null on every chunk when asked
+        out["usage"] = usage_obj
+    if extra:
+        out["cmf"] = extra
+    return out
+
+
+def text_completion(id: str, created: int, model: str, text: str, finish_reason: str | None, *,
+                    prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                    logprobs: dict[str, Any] | None = None, chunk: bool = False,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``text_completion`` object (or one streamed chunk of it, which carries no usage)."""
+    out: dict[str, Any] = {"id": id, "object": "text_completion", "created": created, "model": model,
+                           "system_fingerprint": None,
+                           "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                        "finish_reason": finish_reason}]}
+    if not chunk and prompt_tokens is not None and completion_tokens is not None:
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+    if extra:
+        out["cmf"] = extra
+    return out
+
+
+def model_card(model_id: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One ``model`` object of ``/v1/models``; ``extra`` goes under the ``cmf`` key."""
+    out: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "cmf"}
+    if extra:
+        out["cmf"] = extra
+    return out

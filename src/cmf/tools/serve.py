@@ -1,0 +1,97 @@
+"""``cmf serve``: an OpenAI-compatible HTTP server for one model (see docs/SERVER.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import sanitize
+from ._runtime_args import add_model_options, resolve_model
+
+NAME = "serve"
+SUMMARY = "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY)
+    add_model_options(p, sampling=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("CMF_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CMF_API_KEY)")
+    p.add_argument("--alias", default=None, help="model id clients use (default: the file name without .cmf)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the running one before 429 (default 64)")
+    p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
+                   help="largest request body accepted (default 4 MiB; larger gets 413)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="server log level (access lines are at info)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"cmf serve needs the server extra: pip install 'pycmf[server]' ({exc})") from None
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_body < 1024:
+        raise ValueError(f"--max-body must be >= 1024 bytes, got {args.max_body}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.skill == "auto":
+        raise ValueError("--skill auto needs skill routing, which this runtime does not have yet")
+
+    from ..runtime.model import load
+    from ..server.app import bind, create_app
+    from ..server.engine import Engine
+
+    level = getattr(logging, args.log_level.upper())
+    cmf_log = logging.getLogger("cmf")
+    if not getattr(args, "verbose", False):
+        cmf_log.setLevel(level)
+    handler = logging.StreamHandler(sys.stderr)  # uvicorn's own start/stop messages
+    handler.setFormatter(logging.Formatter("cmf: %(levelname)s: %(name)s: %(message)s"))
+    uv_log = logging.getLogger("uvicorn.error")
+    uv_log.addHandler(handler)
+    uv_log.setLevel(level)
+
+    path = resolve_model(args.model)
+    # load() opens (and so validates) the file; a skill file or a damaged file stops here.
+    model = load(path, task=args.task, skill=args.skill, threads=args.threads, ctx_size=args.ctx_size,
+                 batch_size=args.batch_size)
+    engine = None
+    try:
+        model_id = args.alias or Path(path).name.removesuffix(".cmf")
+        engine = Engine(model, max_queue=args.max_queue, default_task=args.task, default_skill=args.skill)
+        app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body)
+        sock = bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        sys.stderr.write(sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}) on "
+                                  f"http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
+        sys.stderr.flush()
+        import uvicorn
+
+        config = uvicorn.Config(app, log_level=level, access_log=False, log_config=None, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            sock.close()
+    finally:
+        uv_log.removeHandler(handler)
+        if engine is not None:
+            engine.close()
+        if engine is None or not engine.alive:  # unmap only once the worker no longer reads it
+            model.close()
+    return 0
