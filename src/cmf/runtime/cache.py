@@ -1,4 +1,5 @@
-"""Per-layer KV cache. Sliding-window layers keep only the keys their window can still see."""
+"""Per-layer sequence state: KV caches (sliding-window layers keep only the keys their window can
+still see) and the conv + recurrent state of linear-attention layers, with speculative rollback."""
 
 from __future__ import annotations
 
@@ -57,14 +58,57 @@ class LayerKV:
         self.n = min(self.n, end - self.start)
 
 
-class Cache:
-    """The whole model's cache: one entry per layer (None for layers without attention state)."""
+class LinearState:
+    """Gated DeltaNet state of one layer: the last K-1 conv inputs and S [heads, dk, dv].
 
-    def __init__(self, layers: list[LayerKV | None]) -> None:
+    A recurrent state cannot be cut back like a KV cache, so rollback works from snapshots: while
+    ``record`` is on, each forward call keeps the state before it and after each of its positions
+    (:meth:`remember`); :meth:`truncate` restores one of those. Only the latest call's snapshots
+    are kept — exactly what a speculative verify round needs.
+    """
+
+    def __init__(self, conv_dim: int, kernel: int, heads: int, k_dim: int, v_dim: int) -> None:
+        self.conv = np.zeros((kernel - 1, conv_dim), np.float32)
+        self.S = np.zeros((heads, k_dim, v_dim), np.float32)
+        self.pos = 0  # absolute position after the last consumed token
+        self.record = False
+        self._snap: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def remember(self, pos0: int, before: tuple[np.ndarray, np.ndarray], convs: list[np.ndarray],
+                 states: list[np.ndarray]) -> None:
+        """Snapshots of a forward call that started at ``pos0``: the state before it and after each
+        of its positions (replacing the previous call's)."""
+        self._snap = {pos0: before}
+        for i, (c, s) in enumerate(zip(convs, states)):
+            self._snap[pos0 + i + 1] = (c, s)
+
+    def truncate(self, end: int) -> None:
+        """Return to the state after position ``end - 1`` (speculative rollback)."""
+        if end >= self.pos:
+            return
+        snap = self._snap.get(end)
+        if snap is None:
+            raise ValueError(f"cannot roll linear-attention state back to {end}: no snapshot (record is off "
+                             f"or the position is older than the last forward call)")
+        self.conv, self.S = snap[0].copy(), snap[1].copy()
+        self.pos = end
+
+
+class Cache:
+    """The whole model's cache: one entry per layer (None for layers without sequence state)."""
+
+    def __init__(self, layers: list[LayerKV | LinearState | None]) -> None:
         self.layers = layers
         self.pos = 0  # tokens consumed so far
 
+    def record(self, on: bool = True) -> None:
+        """Keep per-position linear-attention snapshots of each forward call (for :meth:`truncate`)."""
+        for layer in self.layers:
+            if isinstance(layer, LinearState):
+                layer.record = on
+
     def truncate(self, pos: int) -> None:
+        """Forget every position >= ``pos`` (KV entries dropped, linear states restored)."""
         for layer in self.layers:
             if layer is not None:
                 layer.truncate(pos)

@@ -11,12 +11,10 @@ import numpy as np
 from ..format.errors import CmfError, NotRunnable
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
-from .cache import Cache, LayerKV
-from .ops.activations import activation
-from .ops.attention import attend
+from .blocks import Block, MoeFfn
+from .cache import Cache
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
-from .ops.rope import apply_rope
-from .plan import LayerPlan, ModelPlan, build_plan
+from .plan import ModelPlan, build_plan
 from .weights import Weights
 
 log = logging.getLogger(__name__)
@@ -44,7 +42,8 @@ class Model:
     """A runnable model over one open CMF file. Create with :func:`cmf.load`."""
 
     def __init__(self, file: CmfFile, *, skill: str | None = None, task: str | None = None,
-                 ctx_size: int | None = None, reference_kernels: bool = False, batch_size: int = 512) -> None:
+                 ctx_size: int | None = None, reference_kernels: bool = False, batch_size: int = 512,
+                 moe_mask: "str | os.PathLike | dict | None" = None, moe_mask_cover: float | None = None) -> None:
         if file.is_skill_file:
             raise NotRunnable(f"{file.path} is a standalone skill file (SKILL_FILE): a partial tensor set, "
                               f"not a model. Attach it first: cmf skill apply BASE {file.path.name} -o OUT.cmf")
@@ -58,6 +57,8 @@ class Model:
         self.ctx_size = int(ctx_size or self.plan.max_positions)
         self.batch_size = max(1, int(batch_size))
         self._tokenizer = None
+        self._route_counts = False
+        self._moe_keep = _moe_keep(moe_mask, moe_mask_cover, self.plan) if moe_mask is not None else {}
         self._prepare()
         self.select(task=task)
 
@@ -66,22 +67,56 @@ class Model:
         return prepare_norm_weight(self.weights.vector(name), self.plan.gemma_norm) if name else None
 
     def _prepare(self) -> None:
-        w = self.weights
-        self._layers = []
-        for lp in self.plan.layers:
-            a = lp.attn
-            self._layers.append({
-                "in": self._norm(lp.input_norm), "post_attn": self._norm(lp.post_attn_norm),
-                "pre_ffn": self._norm(lp.pre_ffn_norm), "post_ffn": self._norm(lp.post_ffn_norm),
-                "q": w.linear(a.q), "k": w.linear(a.k), "v": w.linear(a.v), "o": w.linear(a.o),
-                "qb": w.vector(a.q_bias), "kb": w.vector(a.k_bias), "vb": w.vector(a.v_bias),
-                "ob": w.vector(a.o_bias), "qn": self._norm(a.q_norm), "kn": self._norm(a.k_norm),
-                "g": w.linear(a.g_proj) if a.g_proj else None,
-                "gate": w.linear(lp.ffn.gate), "up": w.linear(lp.ffn.up), "down": w.linear(lp.ffn.down),
-                "act": activation(lp.ffn.act),
-            })
-        self._final_norm = self._norm(self.plan.final_norm)
-        self._lm_head = w.linear(self.plan.lm_head)
+        w, plan = self.weights, self.plan
+        old = getattr(self, "_blocks", None)
+        self._blocks = [Block(lp, w, plan.gemma_norm, plan.eps) for lp in plan.layers]
+        self._final_norm = self._norm(plan.final_norm)
+        self._lm_head = w.linear(plan.lm_head)
+        self._mtp = None  # the MTP head is built on first use (speculative.py)
+        for i, b in enumerate(self._blocks):
+            if isinstance(b.ffn, MoeFfn) and old is not None and isinstance(old[i].ffn, MoeFfn):
+                b.ffn.counts = old[i].ffn.counts  # statistics survive a skill switch
+        self._apply_expert_masks()
+
+    # -- MoE: routing statistics and expert restriction ----------------------------------------------
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers."""
+        return [i for i, b in enumerate(self._blocks) if isinstance(b.ffn, MoeFfn)]
+
+    def collect_route_stats(self, on: bool = True) -> None:
+        """Count, per MoE layer, how often each expert is selected (see :meth:`route_stats`)."""
+        for b in self._blocks:
+            if isinstance(b.ffn, MoeFfn):
+                b.ffn.counts = (b.ffn.counts if b.ffn.counts is not None else
+                                np.zeros(b.ffn.m.n_experts, np.int64)) if on else None
+
+    def route_stats(self) -> dict[str, list[int]]:
+        """{layer: [selections per expert]} since :meth:`collect_route_stats` (the JSON that
+        ``cmf convert --route-stats`` and ``moe-defrag`` read, spec §11.1)."""
+        return {str(i): b.ffn.counts.tolist() for i, b in enumerate(self._blocks)
+                if isinstance(b.ffn, MoeFfn) and b.ffn.counts is not None}
+
+    def reset_route_stats(self) -> None:
+        for b in self._blocks:
+            if isinstance(b.ffn, MoeFfn) and b.ffn.counts is not None:
+                b.ffn.counts[:] = 0
+
+    def _apply_expert_masks(self) -> None:
+        """Admitted experts per MoE layer: the runtime mask (CMF_MOE_MASK) ∧ the task mask's row."""
+        mask = self.file.masks.get(self.task) if (self.file.masks is not None and getattr(self, "task", None)) else None
+        for i, b in enumerate(self._blocks):
+            if not isinstance(b.ffn, MoeFfn):
+                continue
+            n = b.ffn.m.n_experts
+            allowed = self._moe_keep.get(i)
+            if mask is not None and mask.experts is not None and i < mask.experts.shape[0]:
+                row = np.asarray(mask.experts[i][:n], dtype=bool)
+                if row.size == n and row.any():  # an empty row means "unrestricted"
+                    allowed = row if allowed is None else (allowed & row)
+            if allowed is not None and not allowed.any():
+                raise CmfError(f"layer {i}: the expert masks admit no expert")
+            b.ffn.allowed = None if allowed is None or allowed.all() else allowed
 
     # -- tasks and skills --------------------------------------------------------------------------
     @property
@@ -114,12 +149,16 @@ class Model:
         if task is None and self.file.masks is not None:
             task = self.file.masks.default_task
         self.task = task
-        if skill is not ...:
+        if skill is ...:
+            self._apply_expert_masks()
+        else:
             skill = None if skill == "none" else skill
             if skill != self.weights.skill:
                 self._check_skill(skill)
                 self.weights = Weights(self.file, skill, reference_kernels=self._reference)
                 self._prepare()
+            else:
+                self._apply_expert_masks()
 
     @property
     def tokenizer(self):
@@ -131,56 +170,13 @@ class Model:
         return self._tokenizer
 
     def new_cache(self) -> Cache:
-        return Cache([LayerKV(lp.attn.kv_heads, lp.attn.head_dim, lp.attn.window, lp.attn.v_head_dim)
-                      for lp in self.plan.layers])
+        """Fresh per-sequence state: a KV (or latent) cache per attention layer, conv + recurrent
+        state per linear-attention layer."""
+        return Cache([b.new_state() for b in self._blocks])
 
     # -- forward ---------------------------------------------------------------------------------
-    def _attention(self, lp: LayerPlan, L: dict, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
-        a = lp.attn
-        t = h.shape[0]
-        q = L["q"](h)
-        if L["qb"] is not None:
-            q += L["qb"]
-        gate = None
-        if a.output_gate:
-            q = q.reshape(t, a.heads, 2 * a.head_dim)
-            q, gate = np.ascontiguousarray(q[..., :a.head_dim]), q[..., a.head_dim:]
-        else:
-            q = q.reshape(t, a.heads, a.head_dim)
-        k = L["k"](h)
-        if L["kb"] is not None:
-            k += L["kb"]
-        k = k.reshape(t, a.kv_heads, a.head_dim)
-        v = L["v"](h)
-        if L["vb"] is not None:
-            v += L["vb"]
-        v = v.reshape(t, a.kv_heads, a.v_head_dim)
-        eps = self.plan.eps
-        if L["qn"] is not None:
-            q = rms_norm_prepared(q, L["qn"], eps)
-        if L["kn"] is not None:
-            k = rms_norm_prepared(k, L["kn"], eps)
-        cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
-        q = apply_rope(np.array(q, dtype=np.float32), cos, sin)
-        k = apply_rope(np.array(k, dtype=np.float32), cos, sin)
-        keys, vals, k0 = kv.append(k, v)
-        out = attend(q, keys, vals, pos0, k0, scale=a.scale, window=a.window, softcap=a.softcap)
-        if gate is not None:
-            out = out * (1.0 / (1.0 + np.exp(-gate)))
-        if L["g"] is not None:
-            g = L["g"](h)
-            g = np.logaddexp(0, g).astype(np.float32)  # softplus
-            out = out * (g[:, :, None] if g.shape[-1] == a.heads else g.reshape(out.shape))
-        y = L["o"](out.reshape(t, -1))
-        if L["ob"] is not None:
-            y += L["ob"]
-        return y
-
-    def _mlp(self, L: dict, h: np.ndarray) -> np.ndarray:
-        return L["down"](L["act"](L["gate"](h)) * L["up"](h))
-
-    def forward(self, ids: np.ndarray | list[int], cache: Cache, *, all_logits: bool = False) -> np.ndarray:
-        """Run ``ids`` (one chunk) after what ``cache`` holds; logits of the last token, or of all."""
+    def hidden(self, ids: np.ndarray | list[int], cache: Cache) -> np.ndarray:
+        """Run ``ids`` (one chunk) after what ``cache`` holds; the final-normed hidden states [T, hidden]."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         t = ids.size
         if t == 0:
@@ -189,38 +185,31 @@ class Model:
             raise ContextOverflow(f"context limit exceeded: {cache.pos} + {t} tokens > ctx size {self.ctx_size}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.plan.vocab:
             raise ValueError(f"token id out of range [0, {self.plan.vocab})")
-        plan, eps = self.plan, self.plan.eps
+        plan = self.plan
         x = self.weights.rows(plan.embed, ids)
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
         pos0 = cache.pos
-        for lp, L, kv in zip(plan.layers, self._layers, cache.layers):
-            h = rms_norm_prepared(x, L["in"], eps) if L["in"] is not None else x
-            a = self._attention(lp, L, h, kv, pos0)
-            if lp.sandwich:
-                if L["post_attn"] is not None:
-                    a = rms_norm_prepared(a, L["post_attn"], eps)
-                x = x + a
-                f = self._mlp(L, rms_norm_prepared(x, L["pre_ffn"], eps))
-                if L["post_ffn"] is not None:
-                    f = rms_norm_prepared(f, L["post_ffn"], eps)
-                x = x + f
-            else:
-                x = x + a
-                h = rms_norm_prepared(x, L["post_attn"], eps) if L["post_attn"] is not None else x
-                x = x + self._mlp(L, h)
+        for block, state in zip(self._blocks, cache.layers):
+            x = block(x, state, pos0)
         cache.pos += t
-        if not all_logits:
-            x = x[-1:]
-        if self._final_norm is not None:
-            x = rms_norm_prepared(x, self._final_norm, eps)
-        logits = self._lm_head(x)
+        return rms_norm_prepared(x, self._final_norm, plan.eps) if self._final_norm is not None else x
+
+    def project(self, h: np.ndarray) -> np.ndarray:
+        """Logits of final-normed hidden states (lm_head, logit multiplier, final soft-cap)."""
+        plan = self.plan
+        logits = self._lm_head(h)
         if plan.logit_multiplier != 1.0:
             logits *= np.float32(plan.logit_multiplier)
         if plan.final_softcap:
             c = np.float32(plan.final_softcap)
             logits = np.tanh(logits / c) * c
         return logits.astype(np.float32, copy=False)
+
+    def forward(self, ids: np.ndarray | list[int], cache: Cache, *, all_logits: bool = False) -> np.ndarray:
+        """Run ``ids`` (one chunk) after what ``cache`` holds; logits of the last token, or of all."""
+        h = self.hidden(ids, cache)
+        return self.project(h if all_logits else h[-1:])
 
     def prefill(self, ids: list[int] | np.ndarray, cache: Cache, *, all_logits: bool = False) -> np.ndarray:
         """Feed ``ids`` in chunks of ``batch_size``; logits of the last token (or of all tokens)."""
@@ -262,8 +251,18 @@ class Model:
 
 def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None = None,
          threads: int | None = None, ctx_size: int | None = None, reference_kernels: bool = False,
-         batch_size: int = 512) -> Model:
-    """Open a .cmf (or any shard of a set) and build a runnable Model."""
+         batch_size: int = 512, moe_mask: "str | os.PathLike | dict | None" = None,
+         moe_mask_cover: float | None = None) -> Model:
+    """Open a .cmf (or any shard of a set) and build a runnable Model.
+
+    ``moe_mask`` (route statistics, a path or ``{layer: [counts]}``) restricts each MoE layer to
+    the smallest top expert set holding ``moe_mask_cover`` (default 0.95) of the recorded routing
+    mass (spec §11.1). Unset, they come from ``CMF_MOE_MASK`` / ``CMF_MOE_MASK_COVER``.
+    """
+    if moe_mask is None and os.environ.get("CMF_MOE_MASK"):
+        moe_mask = os.environ["CMF_MOE_MASK"]
+    if moe_mask_cover is None and os.environ.get("CMF_MOE_MASK_COVER"):
+        moe_mask_cover = float(os.environ["CMF_MOE_MASK_COVER"])
     if threads:
         try:
             import numba
@@ -274,7 +273,47 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
     file = cmf_open(Path(path))
     try:
         return Model(file, skill=skill, task=task, ctx_size=ctx_size, reference_kernels=reference_kernels,
-                     batch_size=batch_size)
+                     batch_size=batch_size, moe_mask=moe_mask, moe_mask_cover=moe_mask_cover)
     except BaseException:
         file.close()
         raise
+
+
+DEFAULT_MOE_COVER = 0.95  # moe-defrag's default cover (REFERENCE_NOTES §2)
+
+
+def _moe_keep(spec, cover: float | None, plan: ModelPlan) -> dict[int, np.ndarray]:
+    """Per MoE layer, the experts a route-statistics mask admits (spec §11.1)."""
+    import json
+
+    from .ops.moe import cover_mask
+    from .plan import MoePlan
+
+    if isinstance(spec, dict):
+        data, where = spec, "moe mask"
+    else:
+        where = str(spec)
+        try:
+            data = json.loads(Path(spec).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CmfError(f"{where}: cannot read the expert mask statistics ({exc})") from None
+    if not isinstance(data, dict):
+        raise CmfError(f"{where}: expert statistics must be a JSON object {{layer: [count per expert]}}")
+    cover = DEFAULT_MOE_COVER if cover is None else float(cover)
+    if not 0.0 < cover <= 1.0:
+        raise CmfError(f"moe mask cover {cover} is not in (0, 1]")
+    keep: dict[int, np.ndarray] = {}
+    for key, counts in data.items():
+        try:
+            i = int(key)
+            arr = np.asarray(counts, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise CmfError(f"{where}: entry {key!r} is not layer -> [count per expert]") from None
+        if not 0 <= i < len(plan.layers) or not isinstance(plan.layers[i].ffn, MoePlan):
+            log.warning("%s: layer %s is not an MoE layer of this model; ignored", where, key)
+            continue
+        n = plan.layers[i].ffn.n_experts
+        if arr.size != n or (arr < 0).any() or not np.isfinite(arr).all():
+            raise CmfError(f"{where}: layer {i} has {arr.size} counts (must be {n} non-negative numbers)")
+        keep[i] = cover_mask(arr, cover)
+    return keep

@@ -1,0 +1,269 @@
+"""Executable layers assembled from LayerPlans: token mixers, FFNs and the decoder block.
+
+Each mixer owns its per-sequence state type (``new_state()``): a KV cache for GQA, a latent cache
+for MLA, conv + recurrent state for Gated DeltaNet. Matrices are LinearOps over the stored bytes
+(``Weights.linear``); expert matrices are prepared on first selection only, so experts that are
+never routed to are never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cache import LayerKV, LinearState
+from .ops import gdn
+from .ops.activations import activation
+from .ops.attention import attend
+from .ops.mla import deinterleave, latent_attend
+from .ops.moe import expert_counts, expert_mix, route
+from .ops.norm import prepare_norm_weight, rms_norm_prepared
+from .ops.rope import apply_rope
+from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
+from .weights import Weights
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+
+
+class _Norms:
+    """Norm weights prepared once (the gemma ``1 + w`` folded in)."""
+
+    def __init__(self, w: Weights, gemma: bool) -> None:
+        self.w, self.gemma = w, gemma
+
+    def __call__(self, name: str | None) -> np.ndarray | None:
+        return prepare_norm_weight(self.w.vector(name), self.gemma) if name else None
+
+
+class Attention:
+    """Grouped-query attention with the optional biases, q/k norms, output gate and g_proj gate."""
+
+    def __init__(self, a: AttentionPlan, w: Weights, norm: _Norms, eps: float) -> None:
+        self.a, self.eps = a, eps
+        self.q, self.k, self.v, self.o = w.linear(a.q), w.linear(a.k), w.linear(a.v), w.linear(a.o)
+        self.qb, self.kb, self.vb, self.ob = (w.vector(n) for n in (a.q_bias, a.k_bias, a.v_bias, a.o_bias))
+        self.qn, self.kn = norm(a.q_norm), norm(a.k_norm)
+        self.g = w.linear(a.g_proj) if a.g_proj else None
+
+    def new_state(self) -> LayerKV:
+        return LayerKV(self.a.kv_heads, self.a.head_dim, self.a.window, self.a.v_head_dim)
+
+    def __call__(self, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
+        a = self.a
+        t = h.shape[0]
+        q = self.q(h)
+        if self.qb is not None:
+            q += self.qb
+        gate = None
+        if a.output_gate:
+            q = q.reshape(t, a.heads, 2 * a.head_dim)
+            q, gate = np.ascontiguousarray(q[..., :a.head_dim]), q[..., a.head_dim:]
+        else:
+            q = q.reshape(t, a.heads, a.head_dim)
+        k = self.k(h)
+        if self.kb is not None:
+            k += self.kb
+        k = k.reshape(t, a.kv_heads, a.head_dim)
+        v = self.v(h)
+        if self.vb is not None:
+            v += self.vb
+        v = v.reshape(t, a.kv_heads, a.v_head_dim)
+        if self.qn is not None:
+            q = rms_norm_prepared(q, self.qn, self.eps)
+        if self.kn is not None:
+            k = rms_norm_prepared(k, self.kn, self.eps)
+        cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
+        q = apply_rope(np.array(q, dtype=np.float32), cos, sin)
+        k = apply_rope(np.array(k, dtype=np.float32), cos, sin)
+        keys, vals, k0 = kv.append(k, v)
+        out = attend(q, keys, vals, pos0, k0, scale=a.scale, window=a.window, softcap=a.softcap)
+        if gate is not None:
+            out = out * _sigmoid(gate)
+        if self.g is not None:
+            g = np.logaddexp(0, self.g(h)).astype(np.float32)  # softplus
+            out = out * (g[:, :, None] if g.shape[-1] == a.heads else g.reshape(out.shape))
+        y = self.o(out.reshape(t, -1))
+        if self.ob is not None:
+            y += self.ob
+        return y
+
+
+class LatentAttention:
+    """Multi-head latent attention. The cache holds the normalised latent and the rotated shared
+    rope key per position (kv_rank + rope_dim floats), not per-head keys and values: ``kv_b`` is
+    absorbed into the query and the output instead (see ops/mla.py)."""
+
+    def __init__(self, a: MlaPlan, w: Weights, norm: _Norms, eps: float) -> None:
+        self.a, self.eps, self.w = a, eps, w
+        self.q = w.linear(a.q) if a.q else None
+        self.q_a = w.linear(a.q_a) if a.q_a else None
+        self.q_b = w.linear(a.q_b) if a.q_b else None
+        self.q_a_norm, self.kv_a_norm = norm(a.q_a_norm), norm(a.kv_a_norm)
+        self.q_a_bias, self.kv_a_bias, self.ob = (w.vector(n) for n in (a.q_a_bias, a.kv_a_bias, a.o_bias))
+        self.kv_a, self.o = w.linear(a.kv_a), w.linear(a.o)
+        self._wk: np.ndarray | None = None
+        self._wv: np.ndarray | None = None
+
+    def _kv_b(self) -> tuple[np.ndarray, np.ndarray]:
+        """kv_b as [heads, nope, rank] and [heads, v, rank] (decoded once; a view for f32 files)."""
+        if self._wk is None:
+            a = self.a
+            full = self.w.linear(a.kv_b).dense().reshape(a.heads, a.nope_dim + a.v_dim, a.kv_rank)
+            self._wk, self._wv = full[:, :a.nope_dim], full[:, a.nope_dim:]
+        return self._wk, self._wv
+
+    def new_state(self) -> LayerKV:
+        # One "KV head": the latent in the key slot, the shared rope key in the value slot.
+        return LayerKV(1, self.a.kv_rank, None, self.a.rope_dim)
+
+    def __call__(self, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
+        a = self.a
+        t = h.shape[0]
+        if self.q is not None:
+            q = self.q(h)
+        else:
+            qa = self.q_a(h)
+            if self.q_a_bias is not None:
+                qa += self.q_a_bias
+            q = self.q_b(rms_norm_prepared(qa, self.q_a_norm, self.eps))
+        q = q.reshape(t, a.heads, a.nope_dim + a.rope_dim)
+        q_nope, q_rot = q[..., :a.nope_dim], np.array(q[..., a.nope_dim:], dtype=np.float32)
+        ckv = self.kv_a(h)
+        if self.kv_a_bias is not None:
+            ckv += self.kv_a_bias
+        latent = rms_norm_prepared(ckv[:, :a.kv_rank], self.kv_a_norm, self.eps)
+        k_rot = np.array(ckv[:, None, a.kv_rank:], dtype=np.float32)
+        if a.interleave:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
+        q_rot = apply_rope(q_rot, cos, sin)
+        k_rot = apply_rope(k_rot, cos, sin)
+        latents, k_rots, k0 = kv.append(latent[:, None, :], k_rot)
+        wk, wv = self._kv_b()
+        out = latent_attend(q_nope, q_rot, latents[:, 0], k_rots[:, 0], wk, wv, pos0, k0, a.scale)
+        y = self.o(out.reshape(t, -1))
+        if self.ob is not None:
+            y += self.ob
+        return y
+
+
+class DeltaNet:
+    """Gated DeltaNet (ops/gdn.py). Prefill chunks run the chunked form; single tokens, short
+    chunks and chunks whose per-position states must be kept (speculative verify) run the
+    token-by-token form."""
+
+    def __init__(self, a: GdnPlan, w: Weights, norm: _Norms, eps: float) -> None:
+        self.a, self.eps = a, eps
+        self.qkv, self.z, self.pa, self.pb, self.out = (w.linear(n) for n in (a.qkv, a.z, a.a, a.b, a.out))
+        self.conv = w.vector(a.conv).reshape(a.conv_dim, a.kernel)
+        self.a_log, self.dt_bias = w.vector(a.a_log), w.vector(a.dt_bias)
+        # The gated norm's weight multiplies as stored, whatever the model's norm_style: both
+        # transformers implementations (Qwen3-Next, Qwen3.5) use w·x̂ here, initialised to ones.
+        self.norm_w = w.vector(a.norm)
+
+    def new_state(self) -> LinearState:
+        a = self.a
+        return LinearState(a.conv_dim, a.kernel, a.v_heads, a.k_dim, a.v_dim)
+
+    def __call__(self, h: np.ndarray, st: LinearState, pos0: int) -> np.ndarray:
+        a = self.a
+        t = h.shape[0]
+        before = (st.conv, st.S)  # replaced, never modified in place: safe to keep as a snapshot
+        y, conv_states = self._conv(self.qkv(h), st)
+        q, k, v = gdn.split_heads(y, a.k_heads, a.v_heads, a.k_dim, a.v_dim)
+        g, beta = gdn.gates(self.pa(h), self.pb(h), self.a_log, self.dt_bias)
+        if st.record:
+            states: list[np.ndarray] = []
+            o, st.S = gdn.delta_rule_steps(q, k, v, g, beta, st.S, states)
+            st.remember(pos0, before, conv_states, states)
+        elif t >= 16:
+            o, st.S = gdn.delta_rule_chunked(q, k, v, g, beta, st.S)
+        else:
+            o, st.S = gdn.delta_rule_steps(q, k, v, g, beta, st.S)
+        st.pos = pos0 + t
+        z = self.z(h).reshape(t, a.v_heads, a.v_dim)
+        o = gdn.gated_rms_norm(o, z, self.norm_w, self.eps)
+        return self.out(o.reshape(t, -1))
+
+    def _conv(self, qkv: np.ndarray, st: LinearState) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        before = st.conv
+        y, st.conv = gdn.causal_conv(qkv, before, self.conv)
+        if not st.record:
+            return y, None
+        # The conv state after each position: the last K-1 inputs up to it.
+        xp = np.concatenate([before, qkv], axis=0)
+        km1 = before.shape[0]
+        return y, [xp[i + 1:i + 1 + km1].copy() for i in range(qkv.shape[0])]
+
+
+class DenseFfn:
+    def __init__(self, f: FfnPlan, w: Weights) -> None:
+        self.gate, self.up, self.down = w.linear(f.gate), w.linear(f.up), w.linear(f.down)
+        self.act = activation(f.act)
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        return self.down(self.act(self.gate(h)) * self.up(h))
+
+
+class MoeFfn:
+    """Routed experts + optional shared expert (ops/moe.py).
+
+    ``allowed`` (bool per expert, or None) restricts the routable set (runtime expert mask, task
+    mask); ``counts`` (int64 per expert, or None) accumulates selections when statistics are on.
+    """
+
+    def __init__(self, m: MoePlan, w: Weights) -> None:
+        self.m, self.w = m, w
+        self.router = w.linear(m.router)
+        self.bias = w.vector(m.expert_bias)
+        self.shared = DenseFfn(m.shared, w) if m.shared else None
+        self.shared_gate = w.linear(m.shared_gate) if m.shared_gate else None
+        self.act = activation(m.act)
+        self.allowed: np.ndarray | None = None
+        self.counts: np.ndarray | None = None
+
+    def expert(self, e: int, x: np.ndarray) -> np.ndarray:
+        g, u, d = (self.w.linear(n) for n in self.m.experts[e])  # prepared on first selection
+        return d(self.act(g(x)) * u(x))
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        idx, wts = route(self.router(h), self.m.routing, bias=self.bias, allowed=self.allowed)
+        if self.counts is not None:
+            self.counts += expert_counts(idx, wts, self.m.n_experts)
+        out = expert_mix(h, idx, wts, self.expert)
+        if self.shared is not None:
+            s = self.shared(h)
+            if self.shared_gate is not None:
+                s = s * _sigmoid(self.shared_gate(h))
+            out += s
+        return out
+
+
+_MIXERS = {AttentionPlan: Attention, MlaPlan: LatentAttention, GdnPlan: DeltaNet}
+
+
+class Block:
+    """One decoder layer: pre-norm mixer and FFN with residuals (sandwich norms when present)."""
+
+    def __init__(self, lp: LayerPlan, w: Weights, gemma_norm: bool, eps: float) -> None:
+        norm = _Norms(w, gemma_norm)
+        self.plan, self.eps = lp, eps
+        self.mixer = _MIXERS[type(lp.attn)](lp.attn, w, norm, eps)
+        self.ffn = MoeFfn(lp.ffn, w) if isinstance(lp.ffn, MoePlan) else DenseFfn(lp.ffn, w)
+        self.n_in, self.n_post_attn = norm(lp.input_norm), norm(lp.post_attn_norm)
+        self.n_pre_ffn, self.n_post_ffn = norm(lp.pre_ffn_norm), norm(lp.post_ffn_norm)
+
+    def new_state(self):
+        return self.mixer.new_state()
+
+    def _n(self, x: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+        return rms_norm_prepared(x, w, self.eps) if w is not None else x
+
+    def __call__(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
+        a = self.mixer(self._n(x, self.n_in), state, pos0)
+        if self.plan.sandwich:
+            x = x + self._n(a, self.n_post_attn)
+            return x + self._n(self.ffn(rms_norm_prepared(x, self.n_pre_ffn, self.eps)), self.n_post_ffn)
+        x = x + a
+        return x + self.ffn(self._n(x, self.n_post_attn))
