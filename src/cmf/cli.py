@@ -39,6 +39,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "measure prefill (ppN) and decode (tgN) speed"),
     "convert": ("convert", "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"),
     "export": ("export", "write a .cmf as a Hugging Face folder (safetensors + config + tokenizer)"),
+    "import-gguf": ("import_gguf", "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"),
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
 }
 

@@ -25,6 +25,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("f32", "f16", "bf16"),
                    help="safetensors dtype (default: the source checkpoint's dtype if recorded, else f32)")
     p.add_argument("--format", choices=("hf", "gguf"), default="hf", help="output format (default hf)")
+    p.add_argument("--gguf-type", choices=("F32", "F16", "Q8_0", "Q4_0"), default="F16",
+                   help="tensor type of matrices for --format gguf (default F16); -o is then the .gguf file")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -32,14 +34,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``cmf export``."""
-    from ..convert.errors import ConvertError
-
     if args.format == "gguf":
-        try:
-            from ..convert import gguf  # noqa: F401 - provided by the GGUF half of the converter
-        except ImportError:
-            raise ConvertError("--format gguf: the GGUF exporter is not available in this build") from None
-        return int(gguf.run_export(args))  # type: ignore[attr-defined]
+        from ..convert.gguf_export import export_gguf
+
+        out = export_gguf(args.model, args.output, args.gguf_type)
+        data = {"file": str(out), "gguf_type": args.gguf_type, "bytes": out.stat().st_size}
+        if args.json:
+            print_json(data)
+        else:
+            print(f"{sanitize(out)}: GGUF ({args.gguf_type}), {fmt_bytes(data['bytes'])}")
+        return 0
     from ..convert.export import export
 
     bar = None

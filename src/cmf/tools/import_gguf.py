@@ -1,0 +1,38 @@
+"""``cmf import-gguf``: a llama.cpp GGUF file (llama, qwen2, qwen3, qwen2moe, qwen3moe) into a .cmf."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import fmt_bytes, print_json, sanitize
+
+NAME = "import-gguf"
+SUMMARY = "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY + ". Every ggml type the gguf "
+                              "package reads (K-quants included) is dequantized, llama.cpp's conventions "
+                              "are undone, and the tensors are re-encoded with --quant.")
+    p.add_argument("file", metavar="FILE.gguf")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.cmf")
+    p.add_argument("--quant", default="q8", help="target dtype policy, as for cmf convert (default q8)")
+    p.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
+                   help="use this tokenizer.json instead of synthesizing one from the GGUF vocabulary")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..convert.gguf import import_gguf
+
+    res = import_gguf(args.file, args.output, args.quant, tokenizer=args.tokenizer)
+    paths = [str(p) for p in res.paths]
+    data = {"files": paths, "tensors": res.tensors, "bytes": res.bytes}
+    if args.json:
+        print_json(data)
+    else:
+        print(f"{sanitize(', '.join(paths))}: {res.tensors} tensors, {fmt_bytes(res.bytes)}")
+    return 0
