@@ -393,33 +393,31 @@ def test_closed_file_raises_cmf_error(tmp_path):
             call()
 
 
-def test_direct_mode_with_expected_names(tmp_path):
-    """Names known up front: data is written in place (no copy); same content, data_off on 4096."""
-    plain, direct = tmp_path / "plain.cmf", tmp_path / "direct.cmf"
-    write_sample(plain)
-    names = [t[0] for t in sample_tensors()]
-    with CmfWriter(direct, header(), expected_names=names) as w:
+def _write_direct(path, names, *, extra_header=None):
+    with CmfWriter(path, header(), expected_names=names) as w:
         for name, dtype, shape, payload in sample_tensors():
             w.add(name, dtype, shape, payload)
-        w.set_masks(sample_masks())
-        w.set_vocab(b'{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}')
+        if extra_header:
+            w.update_header(**extra_header)
+        else:
+            w.set_masks(sample_masks())
+            w.set_vocab(b'{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}')
+
+
+def test_direct_mode_with_expected_names(tmp_path):
+    """Names known up front: data is written in place (no copy); same content, data_off on 4096."""
+    plain, direct, again = tmp_path / "plain.cmf", tmp_path / "direct.cmf", tmp_path / "again.cmf"
+    write_sample(plain)
+    names = [t[0] for t in sample_tensors()]
+    _write_direct(direct, names)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["direct.cmf", "plain.cmf"]
     assert _state(direct) == _state(plain)
     with cmf.open(direct) as f:
         assert f.envelope.section("data").off % DATA_ALIGN == 0
-    # deterministic too
-    again = tmp_path / "again.cmf"
-    with CmfWriter(again, header(), expected_names=names) as w:
-        for name, dtype, shape, payload in sample_tensors():
-            w.add(name, dtype, shape, payload)
-        w.set_masks(sample_masks())
-        w.set_vocab(b'{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}')
+    _write_direct(again, names)  # deterministic too
     assert again.read_bytes() == direct.read_bytes()
     # a header that outgrows the reserve falls back to one copy, still correct
     big = tmp_path / "big.cmf"
-    with CmfWriter(big, header(), expected_names=names[:1]) as w:
-        for name, dtype, shape, payload in sample_tensors():
-            w.add(name, dtype, shape, payload)
-        w.update_header(provenance={"blob": "x" * 20000})
+    _write_direct(big, names[:1], extra_header={"provenance": {"blob": "x" * 20000}})
     with cmf.open(big) as f:
         assert f.verify() == [] and f.keys() == names
