@@ -41,6 +41,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("export", "write a .cmf as a Hugging Face folder (safetensors + config + tokenizer)"),
     "import-gguf": ("import_gguf", "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"),
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
+    "route-stats": ("route_stats", "count expert selections per MoE layer over a text (JSON for --route-stats, "
+                                   "moe-defrag, CMF_MOE_MASK)"),
 }
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
