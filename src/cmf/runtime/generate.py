@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .sampling import Processor, Sampler, make_logits_processors, make_sampler
+from .speculative import SpecStats, speculative_generate_step
 
 
 @dataclass
@@ -29,11 +30,38 @@ class GenerationResponse:
     generation_tps: float
     peak_memory_mb: float
     time_to_first_token: float = 0.0
+    spec_rounds: int = 0  # speculative decoding: verify rounds that carried drafts
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted MTP tokens (0 without speculative decoding)."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
 
 def generate_step(model, prompt_ids: Sequence[int], *, sampler: Sampler, processors: Sequence[Processor] = (),
-                  max_tokens: int = 256, cache=None) -> Iterator[tuple[int, np.ndarray]]:
-    """Prefill ``prompt_ids`` then yield (token, logits) forever or up to ``max_tokens``."""
+                  max_tokens: int = 256, cache=None, spec: str | bool = "off", spec_k: int = 3,
+                  spec_stats=None) -> Iterator[tuple[int, np.ndarray]]:
+    """Prefill ``prompt_ids`` then yield (token, logits) forever or up to ``max_tokens``.
+
+    ``spec`` ("on"/True, "auto", "off"/False): MTP speculative decoding with ``spec_k`` drafts per
+    round (runtime/speculative.py) — the same tokens, fewer forwards when drafts are accepted.
+    It needs a greedy sampler and a file with an MTP head: "on" raises otherwise, "auto" quietly
+    decodes plainly. ``spec_stats`` (a ``SpecStats``) receives the counters.
+    """
+    mode = ("on" if spec else "off") if spec is None or isinstance(spec, bool) else spec
+    if mode not in ("on", "auto", "off"):
+        raise ValueError(f"spec must be 'on', 'auto' or 'off', not {spec!r}")
+    if mode != "off":
+        greedy = bool(getattr(sampler, "greedy", False))
+        if mode == "on" and not greedy:
+            raise ValueError("speculative decoding reproduces greedy decoding: it needs temperature 0")
+        if greedy and (mode == "on" or model.has_mtp):
+            yield from speculative_generate_step(model, prompt_ids, sampler=sampler, processors=processors,
+                                                 max_tokens=max_tokens, k=spec_k, mode=mode, cache=cache,
+                                                 stats=spec_stats)
+            return
     cache = cache if cache is not None else model.new_cache()
     seen: list[int] = list(prompt_ids)
     logits = model.prefill(prompt_ids, cache)[-1]
@@ -78,8 +106,12 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     logit_bias: dict | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
                     raw: bool = False, system: str | None = None, thinking: bool | None = None,
                     tools: list | None = None, ignore_eos: bool = False,
-                    on_token: Callable[[int, np.ndarray], None] | None = None) -> Iterator[GenerationResponse]:
+                    on_token: Callable[[int, np.ndarray], None] | None = None, spec: str | bool = "off",
+                    spec_k: int = 3) -> Iterator[GenerationResponse]:
     """Yield text deltas; the last response carries ``finish_reason`` ("stop" or "length").
+
+    ``spec``/``spec_k``: MTP speculative decoding (see :func:`generate_step`); responses carry its
+    counters (``spec_rounds``, ``spec_drafted``, ``spec_accepted``, ``acceptance_rate``).
 
     ``on_token(token, logits)`` is called for every sampled token (EOS included) with the processed
     logits it was drawn from, before its text is emitted: the server computes logprobs there, and
@@ -105,10 +137,14 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
         pre = (t_first or now) - t0
         dec = now - (t_first or now)
         return GenerationResponse(text, token, finish, len(ids), n, len(ids) / pre if pre > 0 else 0.0,
-                                  (n - 1) / dec if dec > 0 and n > 1 else 0.0, _peak_mb(), pre)
+                                  (n - 1) / dec if dec > 0 and n > 1 else 0.0, _peak_mb(), pre,
+                                  stats.rounds, stats.drafted, stats.accepted)
 
     finish = "length"
-    for token, logits in generate_step(model, ids, sampler=sampler, processors=procs, max_tokens=max_tokens):
+    stats = SpecStats()
+    steps = generate_step(model, ids, sampler=sampler, processors=procs, max_tokens=max_tokens, spec=spec,
+                          spec_k=spec_k, spec_stats=stats)
+    for token, logits in steps:
         if t_first is None:
             t_first = time.perf_counter()
         n += 1

@@ -161,6 +161,19 @@ class Model:
                 self._apply_expert_masks()
 
     @property
+    def has_mtp(self) -> bool:
+        """Whether the file carries an MTP head usable for speculative decoding."""
+        return self.plan.mtp is not None
+
+    def mtp_head(self):
+        """The MTP draft head (runtime/speculative.py), built on first use."""
+        if self._mtp is None:
+            from .speculative import MtpHead
+
+            self._mtp = MtpHead(self)
+        return self._mtp
+
+    @property
     def tokenizer(self):
         """The embedded tokenizer (spec §6), loaded on first use."""
         if self._tokenizer is None:

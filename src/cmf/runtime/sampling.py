@@ -83,7 +83,11 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
                  seed: int | None = None) -> Sampler:
     """A sampler; the same seed gives the same sequence of draws."""
     if temperature < 1e-6:
-        return lambda logits: int(np.argmax(logits))
+        def greedy(logits: np.ndarray) -> int:
+            return int(np.argmax(logits))
+
+        greedy.greedy = True  # type: ignore[attr-defined]  # deterministic: speculative decoding may verify with it
+        return greedy
     rng = np.random.Generator(np.random.PCG64(seed))
 
     def sample(logits: np.ndarray) -> int:
