@@ -33,13 +33,22 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
         p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         p.add_argument("--no-think", action="store_true", help="disable thinking in templates that support it")
         p.add_argument("--system", default=None, help="system prompt")
+        p.add_argument("--spec", choices=("auto", "on", "off"), default=None,
+                       help="MTP speculative decoding (greedy only; output identical to plain decoding). "
+                            "auto (default): when the model has an MTP head, pausing on prompts that do not gain")
+        p.add_argument("--speculative", dest="spec", action="store_const", const="on", help="same as --spec on")
+        p.add_argument("--draft", type=int, default=3, metavar="N", help="MTP drafts per verify round (default 3)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    spec = args.spec
+    if spec is None:
+        # Off while CMF_MOE_STATS counts routing: verify rounds would also count rejected drafts.
+        spec = "off" if (args.temp > 0 or os.environ.get("CMF_MOE_STATS")) else "auto"
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
-                thinking=False if args.no_think else None)
+                thinking=False if args.no_think else None, spec=spec, spec_k=args.draft)
 
 
 def resolve_model(spec: str) -> Path:
@@ -68,7 +77,27 @@ def resolve_model(spec: str) -> Path:
 
 
 def load_model(args: argparse.Namespace):
+    """The model of ``args``. ``CMF_MOE_MASK``/``CMF_MOE_MASK_COVER`` restrict its experts (in
+    ``load``); with ``CMF_MOE_STATS=path`` its expert selection counts are written to ``path``
+    when the process exits (spec §11.1)."""
     from ..runtime.model import load
 
-    return load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
-                ctx_size=args.ctx_size, batch_size=args.batch_size)
+    model = load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
+                 ctx_size=args.ctx_size, batch_size=args.batch_size)
+    path = os.environ.get("CMF_MOE_STATS")
+    if path and model.moe_layers:
+        import atexit
+
+        model.collect_route_stats(True)
+        atexit.register(write_route_stats, model, path)
+    elif path:
+        log.warning("CMF_MOE_STATS is set but the model has no MoE layers; nothing is written")
+    return model
+
+
+def write_route_stats(model, path: str | os.PathLike) -> None:
+    """Write the model's expert selection counts as JSON ``{layer: [count per expert]}``."""
+    import json
+
+    Path(path).write_text(json.dumps(model.route_stats()) + "\n", encoding="utf-8")
+    log.info("expert selection counts written to %s", path)

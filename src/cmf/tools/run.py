@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     stats = {"prompt_tokens": last.prompt_tokens, "generated_tokens": last.generation_tokens,
              "prompt_tps": round(last.prompt_tps, 2), "decode_tps": round(last.generation_tps, 2),
              "finish_reason": last.finish_reason, "peak_memory_mb": round(last.peak_memory_mb, 1)}
+    if last.spec_rounds:
+        stats.update(spec_acceptance=round(last.acceptance_rate, 4), spec_drafted=last.spec_drafted,
+                     spec_accepted=last.spec_accepted,
+                     spec_tokens_per_round=round((last.spec_accepted + last.spec_rounds) / last.spec_rounds, 3))
     if args.json:
         print(json.dumps({"text": "".join(text), **stats}, ensure_ascii=False))
     else:
@@ -57,5 +61,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(sanitize(
             f"[{stats['prompt_tokens']} prompt tokens at {stats['prompt_tps']:.1f} t/s, "
             f"{stats['generated_tokens']} generated at {stats['decode_tps']:.1f} t/s, "
-            f"finish: {stats['finish_reason']}, peak {stats['peak_memory_mb']:.0f} MB]") + "\n")
+            f"finish: {stats['finish_reason']}, peak {stats['peak_memory_mb']:.0f} MB"
+            + (f", MTP drafts accepted {100 * stats['spec_acceptance']:.0f}% "
+               f"({stats['spec_tokens_per_round']:.2f} tokens/round)" if last.spec_rounds else "") + "]") + "\n")
     return 0
