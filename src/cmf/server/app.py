@@ -306,7 +306,7 @@ class _Api:
                                                           "skills": self.model.skills})
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def model(self, request: Request) -> Response:
+    async def model_card(self, request: Request) -> Response:
         self._check_model(request.path_params["model_id"])
         return JSONResponse(S.model_card(self.model_id, self.created, self.info))
 
@@ -482,7 +482,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, max
     for prefix in ("/v1", ""):
         routes += [
             Route(f"{prefix}/models", _endpoint(api.models), methods=["GET"]),
-            Route(f"{prefix}/models/{{model_id:path}}", _endpoint(api.model), methods=["GET"]),
+            Route(f"{prefix}/models/{{model_id:path}}", _endpoint(api.model_card), methods=["GET"]),
             Route(f"{prefix}/chat/completions", _endpoint(api.chat), methods=["POST"]),
             Route(f"{prefix}/completions", _endpoint(api.completions), methods=["POST"]),
         ]

@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=5)
         try:
             uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a normal stop
+            pass
         finally:
             sock.close()
     finally:
