@@ -488,6 +488,22 @@ def test_disconnect_cancels_generation(server, engine):
     assert engine.snapshot()["cancelled"] == before["cancelled"] + 2
 
 
+def test_slow_reader_does_not_stall_the_engine(server, engine, client):
+    assert engine.wait_idle(30)
+    # ~600 KB of SSE (top-20 logprobs on every token): more than the socket buffers hold, so the
+    # transport backs up; the worker must still finish the job and take the next one.
+    sock = _open_stream(server, dict(_M, max_tokens=300, stream=True, ignore_eos=True, logprobs=True,
+                                     top_logprobs=20))
+    try:
+        deadline = time.monotonic() + 10
+        while not engine.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.wait_idle(60), "the worker waited for a client that does not read"
+        assert chat(client, max_tokens=3).usage.completion_tokens >= 1
+    finally:
+        sock.close()
+
+
 def test_queued_job_of_departed_client_is_skipped(server, engine):
     assert engine.wait_idle(30)
     engine.pause()
