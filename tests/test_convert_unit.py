@@ -438,3 +438,22 @@ def test_tokenizer_bundle_rules(tmp_path) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()
     assert read_tokenizer(bare, {}, {}).bundle is None
+
+
+def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch) -> None:
+    import huggingface_hub.constants as hc
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = cache / "models--someorg--tiny-llama" / "snapshots" / commit
+    src = write_llama(snap)
+    (cache / "models--someorg--tiny-llama" / "refs").mkdir()
+    (cache / "models--someorg--tiny-llama" / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    assert resolve("someorg/tiny-llama") == snap
+    out = convert("someorg/tiny-llama", tmp_path / "m.cmf", quant="f32").paths[0]
+    with cmf.open(out) as f:
+        assert f.header.provenance["source_model"] == "someorg/tiny-llama"
+        np.testing.assert_array_equal(f.array("lm_head.weight"), src["lm_head.weight"])
