@@ -1,0 +1,149 @@
+"""FusedLinear: the LinearOp every fused kernel family implements.
+
+A subclass supplies four numba-backed hooks over the stored bytes:
+
+- ``_matmul(X, Y, par)``: ``Y[T, out] = X[T, in] @ W.T`` reading the quantized bytes in place;
+- ``_matmul_rows(rows, X, Y, par)``: the same for the output rows ``rows`` only;
+- ``_dequant(r0, r1, out, par)`` / ``_dequant_rows(rows, out, par)``: rows as float32, for the
+  batched path (default: the codec's ``decode_rows``).
+
+The base class turns them into the protocol of :class:`cmf.kernels.reference.LinearOp`. A batch
+of up to ``fused_max_t`` vectors runs through the fused kernel (the weights are read once for
+all of them); a larger batch (prefill) dequantizes ``tile_bytes`` of rows at a time into a
+reused buffer and multiplies it with BLAS sgemm, so the f32 matrix never exists as a whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..format.errors import BoundsError
+from ._jit import parallel_for, scratch
+
+# f32 rows per batched tile: ~1 MB fits the L2 cache, so BLAS reads what was just written.
+TILE_BYTES = 1 << 20
+
+
+def as_batch(x: np.ndarray, cols: int) -> tuple[np.ndarray, bool]:
+    """``x`` as a C-contiguous float32 [T, cols] array, and whether it was one vector."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+        vec = True
+    elif a.ndim == 2:
+        vec = False
+    else:
+        raise ValueError(f"x must be [in] or [T, in], got shape {list(np.shape(x))}")
+    if a.shape[1] != cols:
+        raise ValueError(f"x has {a.shape[1]} features, the matrix takes {cols}")
+    return a, vec
+
+
+class FusedLinear:
+    """y = x @ W.T straight from a stored payload (see the module docstring)."""
+
+    fused_max_t = 4  # batches up to this size use the fused kernel (overridden per family)
+
+    def __init__(self, tensor) -> None:  # noqa: ANN001 - a cmf QTensor
+        if len(tensor.shape) != 2:
+            raise ValueError(f"tensor {tensor.name!r} is not a matrix: shape {list(tensor.shape)}")
+        self.tensor = tensor
+        self.name = tensor.name
+        self.dtype = tensor.dtype
+        self.out_features, self.in_features = (int(d) for d in tensor.shape)
+        self.nbytes = int(tensor.nbytes)
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.name!r} {self.dtype.label} "
+                f"[{self.out_features}, {self.in_features}]>")
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _matmul(self, X: np.ndarray, Y: np.ndarray, par: bool) -> None:
+        raise NotImplementedError
+
+    def _matmul_rows(self, rows: np.ndarray, X: np.ndarray, Y: np.ndarray, par: bool) -> None:
+        raise NotImplementedError
+
+    def _dequant(self, r0: int, r1: int, out: np.ndarray, par: bool) -> None:
+        self._dequant_rows(np.arange(r0, r1, dtype=np.int64), out, par)
+
+    def _dequant_rows(self, rows: np.ndarray, out: np.ndarray, par: bool) -> None:
+        """Default: the codec's own row decoder (exact; allocates one tile per call)."""
+        from .. import quant
+
+        out[...] = quant.decode_rows(self.tensor.numpy(), self.dtype, self.tensor.shape, rows)
+
+    # -- protocol --------------------------------------------------------------------------------
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x: [in] or [T, in] float32 → [out] or [T, out] float32 (a new array)."""
+        X, vec = as_batch(x, self.in_features)
+        T = X.shape[0]
+        if T <= self.fused_max_t:
+            Y = np.empty((T, self.out_features), np.float32)
+            if Y.size:
+                if self.in_features:
+                    self._matmul(X, Y, parallel_for(self.nbytes * T))
+                else:
+                    Y[...] = 0
+        else:
+            Y = self._batched(X, None)
+        return Y[0] if vec else Y
+
+    def rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Only output rows ``rows``: x @ W[rows].T (other rows' bytes are not read)."""
+        idx = self._check_rows(rows)
+        X, vec = as_batch(x, self.in_features)
+        T = X.shape[0]
+        if T <= self.fused_max_t:
+            Y = np.empty((T, idx.size), np.float32)
+            if Y.size:
+                if self.in_features:
+                    work = self.nbytes * T * idx.size // max(self.out_features, 1)
+                    self._matmul_rows(idx, X, Y, parallel_for(work))
+                else:
+                    Y[...] = 0
+        else:
+            Y = self._batched(X, idx)
+        return Y[0] if vec else Y
+
+    def dense(self) -> np.ndarray:
+        """The whole matrix as float32 (exactly what ``cmf.quant.decode`` returns)."""
+        from .. import quant
+
+        return quant.decode(self.tensor.numpy(), self.dtype, self.tensor.shape)
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def _check_rows(self, rows: np.ndarray) -> np.ndarray:
+        idx = np.asarray(rows)
+        if idx.dtype == bool or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise BoundsError(f"tensor {self.name!r}: rows must be integer indices")
+        idx = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.out_features):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise BoundsError(f"tensor {self.name!r}: row index {bad} is outside 0..{self.out_features - 1}")
+        return idx
+
+    def _tile_rows(self) -> int:
+        return max(8, min(1024, TILE_BYTES // max(4 * self.in_features, 1)))
+
+    def _batched(self, X: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """Prefill: dequantize a tile of rows into a reused buffer, then BLAS sgemm per tile."""
+        n = self.out_features if rows is None else rows.size
+        T = X.shape[0]
+        Yt = np.empty((n, T), np.float32)
+        if n == 0 or self.in_features == 0:
+            Yt[...] = 0
+            return np.ascontiguousarray(Yt.T)
+        R = self._tile_rows()
+        buf = scratch("dequant-tile", (R, self.in_features))
+        par = parallel_for(min(R, n) * self.nbytes // max(self.out_features, 1))
+        Xt = X.T
+        for r0 in range(0, n, R):
+            r1 = min(n, r0 + R)
+            w = buf[:r1 - r0]
+            if rows is None:
+                self._dequant(r0, r1, w, par)
+            else:
+                self._dequant_rows(rows[r0:r1], w, par)
+            np.dot(w, Xt, out=Yt[r0:r1])
+        return np.ascontiguousarray(Yt.T)

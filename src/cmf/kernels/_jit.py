@@ -1,0 +1,179 @@
+"""What every fused kernel shares: numba options, scalar intrinsics, threading policy, scratch.
+
+numba types every integer operation on small ints as int64, which makes LLVM vectorize nibble
+and byte arithmetic in 64-bit lanes (8 per register instead of 16) or not at all; the
+intrinsics below keep the byte arithmetic 8 bits wide so the loops vectorize. f16 is converted
+by the hardware instruction (``fpext half``, F16C on x86) where the CPU has one, else by exact
+bit manipulation; both agree with numpy's ``astype(float32)`` on all 65536 patterns (tested).
+
+Parallelism: every kernel has a serial body over a range of rows and a parallel driver that
+splits the rows into one contiguous chunk per thread. A parallel region costs ~10-15 µs to
+start, and far more on a loaded 2-core machine (a chunk waits for a descheduled thread), so
+products below ``PARALLEL_MIN_BYTES`` of payload call the serial body directly.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# reassoc lets LLVM vectorize float reductions; no nnan/ninf, so crafted inf/NaN weights give
+# inf/NaN results instead of undefined behaviour.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+SERIAL = {"cache": True, "nogil": True, "fastmath": FASTMATH, "error_model": "numpy"}
+PARALLEL = dict(SERIAL, parallel=True)
+# Kernels vectorized across rows have no reduction to reorder; without reassoc LLVM keeps the
+# independent partial sums they are written with instead of folding them into one long chain.
+SERIAL_ORDERED = dict(SERIAL, fastmath={"contract", "nsz", "arcp"})
+PARALLEL_ORDERED = dict(SERIAL_ORDERED, parallel=True)
+
+# Below this many payload bytes a product runs single-threaded (measured: a 2-thread region
+# only pays off once the work is a few times the ~15 µs it costs to start one).
+PARALLEL_MIN_BYTES = 1 << 18
+
+
+def _host_has_f16() -> bool:
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    try:
+        from llvmlite import binding
+
+        return "+f16c" in binding.get_host_cpu_features().flatten().split(",")
+    except Exception:  # pragma: no cover - exotic llvmlite builds
+        return False
+
+
+HW_F16 = _host_has_f16()
+
+
+@intrinsic
+def _bits_as_f32(typingctx, x):  # noqa: ANN001 - numba intrinsic signature
+    """Reinterpret a uint32 as float32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f16_hw(typingctx, h):  # noqa: ANN001
+    """uint16 f16 bits -> float32 through LLVM's half type (one vcvtph2ps when vectorized)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@numba.njit(inline="always")
+def _f16_soft(h):  # pragma: no cover - compiled
+    em = np.uint32(h) & np.uint32(0x7FFF)
+    sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
+    if em >= np.uint32(0x7C00):  # inf / NaN: all-ones exponent, payload kept
+        return _bits_as_f32(sign | (em << np.uint32(13)) | np.uint32(0x7F800000))
+    # normal and subnormal halves: shift into an f32 pattern, then rescale by 2^112 (exact)
+    v = _bits_as_f32(em << np.uint32(13)) * np.float32(5.192296858534828e33)
+    return -v if sign else v
+
+
+f16_to_f32 = _f16_hw if HW_F16 else _f16_soft
+
+
+@numba.njit(inline="always")
+def f16_at(buf, i):  # pragma: no cover - compiled
+    """The little-endian f16 at byte offset ``i`` of a uint8 array, as float32."""
+    return f16_to_f32(np.uint16(buf[i]) | (np.uint16(buf[i + 1]) << np.uint16(8)))
+
+
+@intrinsic
+def bf16_to_f32(typingctx, h):  # noqa: ANN001
+    """uint16 bf16 bits -> float32 (the bits are the top half of an f32)."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def lo_nibble(typingctx, b):  # noqa: ANN001
+    """Low nibble of a byte as float32 (0..15), computed in 8-bit lanes."""
+    def codegen(context, builder, signature, args):
+        v = builder.and_(args[0], ir.Constant(ir.IntType(8), 15))
+        return builder.uitofp(v, ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def hi_nibble(typingctx, b):  # noqa: ANN001
+    """High nibble of a byte as float32 (0..15)."""
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def crumb(typingctx, b, j):  # noqa: ANN001
+    """2-bit field ``j`` (bits 2j..2j+1, j in 0..3) of a byte as float32 (0..3), in 8-bit lanes."""
+    def codegen(context, builder, signature, args):
+        i8 = ir.IntType(8)
+        shift = builder.shl(builder.trunc(args[1], i8), ir.Constant(i8, 1))
+        v = builder.and_(builder.lshr(args[0], shift), ir.Constant(i8, 3))
+        return builder.uitofp(v, ir.FloatType())
+    return types.float32(types.uint8, types.int64), codegen
+
+
+@intrinsic
+def byte_f32(typingctx, b):  # noqa: ANN001
+    """A uint8 as float32 (without numba's detour through int64)."""
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(args[0], ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def int8_f32(typingctx, b):  # noqa: ANN001
+    """An int8 as float32."""
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(args[0], ir.FloatType())
+    return types.float32(types.int8), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# threading and scratch
+
+
+def threads() -> int:
+    """numba's current thread count (``numba.set_num_threads`` changes it)."""
+    return numba.get_num_threads()
+
+
+def parallel_for(nbytes: int) -> bool:
+    """Whether a product over ``nbytes`` of payload is worth a parallel region."""
+    return nbytes >= PARALLEL_MIN_BYTES and numba.get_num_threads() > 1
+
+
+_local = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """A reusable per-thread buffer (contents undefined): no allocation or page faults per call.
+
+    One buffer per ``name`` is kept per Python thread and grown when a larger one is asked for,
+    so the whole process holds a few MB of scratch however many matrices it prepares.
+    """
+    pool = getattr(_local, "pool", None)
+    if pool is None:
+        pool = _local.pool = {}
+    n = 1
+    for d in shape:
+        n *= int(d)
+    need = n * np.dtype(dtype).itemsize
+    buf = pool.get(name)
+    if buf is None or buf.size < need:
+        buf = np.empty(max(need, 4096), np.uint8)
+        pool[name] = buf
+    return buf[:need].view(dtype).reshape(shape)

@@ -1,0 +1,197 @@
+"""Float matrices: ``f32`` through BLAS on the mapped view; ``f16`` and ``bf16`` fused.
+
+f32 needs no decoding, so the product is numpy's sgemv/sgemm straight on the zero-copy view;
+only the row-restricted product has a kernel (it reads just the selected rows). f16 and bf16
+convert in registers (f16 by the CPU's conversion instruction where there is one) and share
+each x load between four rows, like the q8 kernel.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ..format.constants import Dtype
+from ._base import FusedLinear
+from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, threads
+
+F32, F16, BF16 = 0, 1, 2
+
+
+@numba.njit(inline="always")
+def _cvt(v, kind):  # pragma: no cover - compiled
+    if kind == F16:
+        return f16_to_f32(v)
+    return bf16_to_f32(v)
+
+
+@numba.njit(**SERIAL)
+def half_rows(w, kind, X, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ w[rows[i]] for i in [i0, i1); w holds f16 or bf16 bits (uint16)."""
+    T, n = X.shape
+    i = i0
+    while i + 4 <= i1:
+        wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
+        for t in range(T):
+            x = X[t]
+            a = np.float32(0)
+            b = np.float32(0)
+            c = np.float32(0)
+            d = np.float32(0)
+            if kind == F16:
+                for k in range(n):
+                    xk = x[k]
+                    a += f16_to_f32(wa[k]) * xk
+                    b += f16_to_f32(wb[k]) * xk
+                    c += f16_to_f32(wc[k]) * xk
+                    d += f16_to_f32(wd[k]) * xk
+            else:
+                for k in range(n):
+                    xk = x[k]
+                    a += bf16_to_f32(wa[k]) * xk
+                    b += bf16_to_f32(wb[k]) * xk
+                    c += bf16_to_f32(wc[k]) * xk
+                    d += bf16_to_f32(wd[k]) * xk
+            Y[t, i] = a
+            Y[t, i + 1] = b
+            Y[t, i + 2] = c
+            Y[t, i + 3] = d
+        i += 4
+    while i < i1:
+        wr = w[rows[i]]
+        for t in range(T):
+            x = X[t]
+            a = np.float32(0)
+            for k in range(n):
+                a += _cvt(wr[k], kind) * x[k]
+            Y[t, i] = a
+        i += 1
+
+
+@numba.njit(**PARALLEL)
+def half_rows_par(w, kind, X, Y, rows, nt):  # pragma: no cover - compiled
+    n = rows.shape[0]
+    step = ((n + nt - 1) // nt + 3) // 4 * 4
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        half_rows(w, kind, X, Y, rows, i0, min(n, i0 + step))
+
+
+@numba.njit(**SERIAL)
+def f32_rows(w, X, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ w[rows[i]]: a gathered mat-vec that never copies the rows."""
+    T, n = X.shape
+    i = i0
+    while i + 4 <= i1:
+        wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
+        for t in range(T):
+            x = X[t]
+            a = np.float32(0)
+            b = np.float32(0)
+            c = np.float32(0)
+            d = np.float32(0)
+            for k in range(n):
+                xk = x[k]
+                a += wa[k] * xk
+                b += wb[k] * xk
+                c += wc[k] * xk
+                d += wd[k] * xk
+            Y[t, i] = a
+            Y[t, i + 1] = b
+            Y[t, i + 2] = c
+            Y[t, i + 3] = d
+        i += 4
+    while i < i1:
+        wr = w[rows[i]]
+        for t in range(T):
+            a = np.float32(0)
+            for k in range(n):
+                a += wr[k] * X[t, k]
+            Y[t, i] = a
+        i += 1
+
+
+@numba.njit(**PARALLEL)
+def f32_rows_par(w, X, Y, rows, nt):  # pragma: no cover - compiled
+    n = rows.shape[0]
+    step = ((n + nt - 1) // nt + 3) // 4 * 4
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        f32_rows(w, X, Y, rows, i0, min(n, i0 + step))
+
+
+@numba.njit(**SERIAL)
+def half_dequant(w, kind, rows, out):  # pragma: no cover - compiled
+    n = w.shape[1]
+    for i in range(rows.shape[0]):
+        wr = w[rows[i]]
+        for k in range(n):
+            out[i, k] = _cvt(wr[k], kind)
+
+
+@numba.njit(**PARALLEL)
+def half_dequant_par(w, kind, rows, out, nt):  # pragma: no cover - compiled
+    n = rows.shape[0]
+    step = (n + nt - 1) // nt
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        i1 = min(n, i0 + step)
+        half_dequant(w, kind, rows[i0:i1], out[i0:i1])
+
+
+class F32Linear(FusedLinear):
+    """f32: BLAS on the zero-copy view of the mapped bytes."""
+
+    fused_max_t = 1 << 62  # BLAS handles every batch size itself
+
+    def __init__(self, tensor) -> None:  # noqa: ANN001
+        super().__init__(tensor)
+        self.w = tensor.numpy().view("<f4").reshape(self.out_features, self.in_features)
+
+    def _matmul(self, X, Y, par):
+        np.dot(X, self.w.T, out=Y)
+
+    def _matmul_rows(self, rows, X, Y, par):
+        if X.shape[0] > 4:  # a prefill: copying the rows once is cheaper than T gathered passes
+            np.dot(X, self.w[rows].T, out=Y)
+        elif par:
+            f32_rows_par(self.w, X, Y, rows, threads())
+        else:
+            f32_rows(self.w, X, Y, rows, 0, rows.size)
+
+    def _dequant(self, r0, r1, out, par):
+        out[...] = self.w[r0:r1]
+
+    def _dequant_rows(self, rows, out, par):
+        np.take(self.w, rows, axis=0, out=out)
+
+
+class HalfLinear(FusedLinear):
+    """f16 / bf16: converted in registers, never widened in memory."""
+
+    fused_max_t = 4
+
+    def __init__(self, tensor) -> None:  # noqa: ANN001
+        super().__init__(tensor)
+        self.kind = F16 if tensor.dtype == Dtype.F16 else BF16
+        self.w = tensor.numpy().view("<u2").reshape(self.out_features, self.in_features)
+        self.all_rows = np.arange(self.out_features, dtype=np.int64)
+
+    def _matmul(self, X, Y, par):
+        self._matmul_rows(self.all_rows, X, Y, par)
+
+    def _matmul_rows(self, rows, X, Y, par):
+        if par:
+            half_rows_par(self.w, self.kind, X, Y, rows, threads())
+        else:
+            half_rows(self.w, self.kind, X, Y, rows, 0, rows.size)
+
+    def _dequant(self, r0, r1, out, par):
+        self._dequant_rows(self.all_rows[r0:r1], out, par)
+
+    def _dequant_rows(self, rows, out, par):
+        if par:
+            half_dequant_par(self.w, self.kind, rows, out, threads())
+        else:
+            half_dequant(self.w, self.kind, rows, out)

@@ -1,0 +1,147 @@
+"""Fused kernels for ``q1``, ``q1s`` and ``q1t``.
+
+q1: a group is ``[f16 s][4 B sign bits]``; each sign byte selects a row of ±1 from an 8-wide
+table (8 KB, stays in L1), so a byte costs one 8-lane multiply-add. q1s adds its sparse f16
+overlay afterwards: an outlier replaces the base value, so its row gains ``(v - base)·x[c]``.
+q1t: a group is ``[f16 s][7 B base-3]``, five ternary digits per byte through a 256×5 table of
+{0, +1, -1}; its per-row overlay entries are added to the base, as the codec does.
+
+Overlay entries are read in place (q1s: 6-byte ``[u32 flat index][f16]``, q1t: 4-byte
+``[u16 column][f16]``); only the per-row entry ranges (one int64 per row) are computed at
+prepare time. A q1s overlay whose indices are not strictly increasing (legal, but no encoder
+writes one) is first rewritten sorted, keeping the last value per index as decoding does.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ..format.constants import GROUP, Dtype
+from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
+from ..quant.q1 import SIGN_LUT, TERNARY_LUT
+from ._base import FusedLinear
+from ._jit import PARALLEL, SERIAL, f16_at, threads
+
+Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
+
+
+@numba.njit(**SERIAL)
+def _q1_row(tiles, r, x, lut):  # pragma: no cover - compiled
+    acc = np.float32(0)
+    for g in range(tiles.shape[1]):
+        tg = tiles[r, g]
+        xg = x[g * GROUP:(g + 1) * GROUP]
+        d = np.float32(0)
+        for j in range(4):
+            sign = lut[tg[2 + j]]
+            for m in range(8):
+                d += sign[m] * xg[8 * j + m]
+        acc += d * f16_at(tg, 0)
+    return acc
+
+
+@numba.njit(**SERIAL)
+def _q1t_row(tiles, r, x, lut):  # pragma: no cover - compiled
+    acc = np.float32(0)
+    for g in range(tiles.shape[1]):
+        tg = tiles[r, g]
+        xg = x[g * GROUP:(g + 1) * GROUP]
+        d = np.float32(0)
+        for j in range(6):
+            digits = lut[tg[2 + j]]
+            for m in range(5):
+                d += digits[m] * xg[5 * j + m]
+        last = lut[tg[8]]  # byte 6 holds weights 30 and 31 only
+        d += last[0] * xg[30] + last[1] * xg[31]
+        acc += d * f16_at(tg, 0)
+    return acc
+
+
+@numba.njit(**SERIAL)
+def q1_rows(kind, tiles, lut, ptr, ent, X, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); ``ptr``/``ent`` describe the overlay."""
+    T, n = X.shape
+    for i in range(i0, i1):
+        r = rows[i]
+        for t in range(T):
+            x = X[t]
+            acc = _q1t_row(tiles, r, x, lut) if kind == Q1T else _q1_row(tiles, r, x, lut)
+            for e in range(ptr[r], ptr[r + 1]):
+                if kind == Q1T:
+                    p = 4 * e
+                    c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
+                    acc += f16_at(ent, p + 2) * x[c]
+                else:  # q1s: the overlay replaces the base weight
+                    p = 6 * e
+                    flat = (np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8) | (np.int64(ent[p + 2]) << 16)
+                            | (np.int64(ent[p + 3]) << 24))
+                    c = flat - r * n
+                    tg = tiles[r, c // GROUP]
+                    k = c % GROUP
+                    bit = (np.int64(tg[2 + k // 8]) >> (k % 8)) & 1
+                    base = f16_at(tg, 0) * np.float32(2 * bit - 1)
+                    acc += (f16_at(ent, p + 4) - base) * x[c]
+            Y[t, i] = acc
+
+
+@numba.njit(**PARALLEL)
+def q1_rows_par(kind, tiles, lut, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
+    n = rows.shape[0]
+    step = (n + nt - 1) // nt
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        q1_rows(kind, tiles, lut, ptr, ent, X, Y, rows, i0, min(n, i0 + step))
+
+
+def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(per-row entry ranges, entry bytes) of a q1s payload, entries strictly increasing."""
+    rows, cols = shape
+    count = q1s_overlay_count(data, shape, name)
+    base = 6 * (numel(shape) // GROUP)
+    ent = data[base + 4:base + 4 + 6 * count]
+    idx = ent.reshape(count, 6)[:, :4].copy().view("<u4").ravel().astype(np.int64)
+    if count > 1 and not np.all(np.diff(idx) > 0):
+        # decode assigns in entry order, so the last entry of a repeated index wins
+        idx, first_rev = np.unique(idx[::-1], return_index=True)
+        ent = np.ascontiguousarray(ent.reshape(count, 6)[count - 1 - first_rev]).reshape(-1)
+    ptr = np.searchsorted(idx, np.arange(rows + 1, dtype=np.int64) * cols).astype(np.int64)
+    return ptr, ent
+
+
+class Q1Linear(FusedLinear):
+    """``q1`` / ``q1s`` / ``q1t``."""
+
+    fused_max_t = 4
+
+    def __init__(self, tensor) -> None:  # noqa: ANN001
+        super().__init__(tensor)
+        rows, cols = self.out_features, self.in_features
+        gpr = cols // GROUP
+        data = tensor.numpy()
+        self.kind = int(tensor.dtype)
+        if self.kind == Q1T:
+            self.tiles = data[:9 * rows * gpr].reshape(rows, gpr, 9)
+            self.lut = TERNARY_LUT
+            self.ptr = q1t_row_ptr(data, tensor.shape, tensor.name)
+            self.ent = data[9 * rows * gpr + 4 * (rows + 1):]
+        else:
+            self.tiles = data[:6 * rows * gpr].reshape(rows, gpr, 6)
+            self.lut = SIGN_LUT
+            if self.kind == Q1S:
+                self.ptr, self.ent = _q1s_overlay(data, (rows, cols), tensor.name)
+            else:
+                self.ptr = np.zeros(rows + 1, np.int64)
+                self.ent = np.zeros(0, np.uint8)
+        self.all_rows = np.arange(rows, dtype=np.int64)
+
+    def _matmul(self, X, Y, par):
+        self._matmul_rows(self.all_rows, X, Y, par)
+
+    def _matmul_rows(self, rows, X, Y, par):
+        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, Y, rows)
+        if par:
+            q1_rows_par(*args, threads())
+        else:
+            q1_rows(*args, 0, rows.size)

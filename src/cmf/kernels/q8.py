@@ -1,0 +1,131 @@
+"""Fused kernels for ``q8_row`` and ``q8_2f``: int8 rows read in place from the mapped file.
+
+``q8_row``: y[r] = s[r]·Σ_c q[r,c]·x[c]. ``q8_2f``: w = q·s[r]·col[c], so the column field is
+folded into the vector once per call (x' = x·col) and the same kernel runs. Four rows share
+each load of x (the loop is bound by loads: one x load per four int8→f32 FMAs instead of one).
+Row scales are converted to f32 once at prepare time (4 bytes per row).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ..format.constants import Dtype
+from ._base import FusedLinear
+from ._jit import PARALLEL, SERIAL, int8_f32, threads
+
+
+@numba.njit(**SERIAL)
+def q8_rows(q, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = s[r]·(X @ q[r]) for r = rows[i], i in [i0, i1)."""
+    T, n = X.shape
+    i = i0
+    while i + 4 <= i1:
+        ra, rb, rc, rd = rows[i], rows[i + 1], rows[i + 2], rows[i + 3]
+        qa, qb, qc, qd = q[ra], q[rb], q[rc], q[rd]
+        for t in range(T):
+            x = X[t]
+            a = np.float32(0)
+            b = np.float32(0)
+            c = np.float32(0)
+            d = np.float32(0)
+            for k in range(n):
+                xk = x[k]
+                a += int8_f32(qa[k]) * xk
+                b += int8_f32(qb[k]) * xk
+                c += int8_f32(qc[k]) * xk
+                d += int8_f32(qd[k]) * xk
+            Y[t, i] = a * s[ra]
+            Y[t, i + 1] = b * s[rb]
+            Y[t, i + 2] = c * s[rc]
+            Y[t, i + 3] = d * s[rd]
+        i += 4
+    while i < i1:
+        r = rows[i]
+        qr = q[r]
+        for t in range(T):
+            x = X[t]
+            a = np.float32(0)
+            for k in range(n):
+                a += int8_f32(qr[k]) * x[k]
+            Y[t, i] = a * s[r]
+        i += 1
+
+
+@numba.njit(**PARALLEL)
+def q8_rows_par(q, s, X, Y, rows, nt):  # pragma: no cover - compiled
+    """q8_rows over one contiguous chunk of ``rows`` per thread (``nt`` threads)."""
+    n = rows.shape[0]
+    step = ((n + nt - 1) // nt + 3) // 4 * 4
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        i1 = min(n, i0 + step)
+        q8_rows(q, s, X, Y, rows, i0, i1)
+
+
+@numba.njit(**SERIAL)
+def q8_dequant(q, s, col, rows, out):  # pragma: no cover - compiled
+    """out[i] = q[rows[i]]·s (·col for q8_2f), in the codec's evaluation order."""
+    n = q.shape[1]
+    two_f = col.shape[0] == n and n > 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        sr = s[r]
+        if two_f:
+            for k in range(n):
+                out[i, k] = (int8_f32(q[r, k]) * sr) * col[k]
+        else:
+            for k in range(n):
+                out[i, k] = int8_f32(q[r, k]) * sr
+
+
+@numba.njit(**PARALLEL)
+def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
+    n = rows.shape[0]
+    step = (n + nt - 1) // nt
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        i1 = min(n, i0 + step)
+        q8_dequant(q, s, col, rows[i0:i1], out[i0:i1])
+
+
+class Q8Linear(FusedLinear):
+    """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
+
+    fused_max_t = 4
+
+    def __init__(self, tensor) -> None:  # noqa: ANN001
+        super().__init__(tensor)
+        rows, cols = self.out_features, self.in_features
+        data = tensor.numpy()
+        self.q = data[:rows * cols].view(np.int8).reshape(rows, cols)
+        self.s = data[rows * cols:rows * cols + 2 * rows].view("<f2").astype(np.float32)
+        if tensor.dtype == Dtype.Q8_2F:
+            off = rows * cols + 2 * rows
+            self.col = data[off:off + 2 * cols].view("<f2").astype(np.float32)
+        else:
+            self.col = np.zeros(0, np.float32)
+        self.all_rows = np.arange(rows, dtype=np.int64)
+
+    def _x(self, X: np.ndarray) -> np.ndarray:
+        return X * self.col if self.col.size else X
+
+    def _matmul(self, X, Y, par):
+        self._matmul_rows(self.all_rows, X, Y, par)
+
+    def _matmul_rows(self, rows, X, Y, par):
+        if par:
+            q8_rows_par(self.q, self.s, self._x(X), Y, rows, threads())
+        else:
+            q8_rows(self.q, self.s, self._x(X), Y, rows, 0, rows.size)
+
+    def _dequant(self, r0, r1, out, par):
+        self._dequant_rows(self.all_rows[r0:r1], out, par)
+
+    def _dequant_rows(self, rows, out, par):
+        if par:
+            q8_dequant_par(self.q, self.s, self.col, rows, out, threads())
+        else:
+            q8_dequant(self.q, self.s, self.col, rows, out)
