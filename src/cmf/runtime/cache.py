@@ -82,15 +82,18 @@ class LinearState:
         for i, (c, s) in enumerate(zip(convs, states)):
             self._snap[pos0 + i + 1] = (c, s)
 
+    def can_truncate(self, end: int) -> bool:
+        return end >= self.pos or end in self._snap
+
     def truncate(self, end: int) -> None:
         """Return to the state after position ``end - 1`` (speculative rollback)."""
         if end >= self.pos:
             return
-        snap = self._snap.get(end)
-        if snap is None:
+        if not self.can_truncate(end):
             raise ValueError(f"cannot roll linear-attention state back to {end}: no snapshot (record is off "
                              f"or the position is older than the last forward call)")
-        self.conv, self.S = snap[0].copy(), snap[1].copy()
+        conv, s = self._snap[end]
+        self.conv, self.S = conv.copy(), s.copy()
         self.pos = end
 
 
@@ -109,6 +112,11 @@ class Cache:
 
     def truncate(self, pos: int) -> None:
         """Forget every position >= ``pos`` (KV entries dropped, linear states restored)."""
+        for layer in self.layers:  # check first: a refused rollback leaves every layer as it was
+            if isinstance(layer, LinearState) and not layer.can_truncate(pos):
+                layer.truncate(pos)  # raises, naming the position
+            if isinstance(layer, LayerKV) and pos < layer.start:
+                layer.truncate(pos)
         for layer in self.layers:
             if layer is not None:
                 layer.truncate(pos)
