@@ -565,3 +565,25 @@ def test_cli_serves_until_interrupted(model_path, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_greedy_requests_use_mtp_drafts_with_identical_answers():
+    pytest.importorskip("transformers")  # the MTP fixture is built with torch
+    model = cmf.load(H.converted("qwen3_5", "q8", mtp=True))
+    eng = Engine(model, max_queue=4)
+    try:
+        assert model.has_mtp
+        with ServerThread(create_app(eng, model_id=MODEL_ID)) as s:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+            kw = dict(max_tokens=12, logprobs=True, extra_body={"ignore_eos": True})
+            drafted = chat(c, **kw)
+            eng.speculative = False
+            plain = chat(c, **kw)
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
+        assert [e.token for e in drafted.choices[0].logprobs.content] == \
+            [e.token for e in plain.choices[0].logprobs.content]
+        assert drafted.usage.completion_tokens == plain.usage.completion_tokens == 12
+        assert drafted.model_extra["cmf"]["spec_drafted"] > 0 and "spec_drafted" not in plain.model_extra["cmf"]
+    finally:
+        eng.close()
+        model.close()

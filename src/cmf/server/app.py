@@ -294,8 +294,11 @@ class _Api:
     def _extra(self, fin: Finished | None = None) -> dict[str, Any]:
         if fin is None:
             return {}
-        return {"task": fin.task, "skill": fin.skill, "time_to_first_token_ms": round(fin.time_to_first_token * 1e3, 2),
-                "prompt_tps": round(fin.prompt_tps, 2), "generation_tps": round(fin.generation_tps, 2)}
+        out = {"task": fin.task, "skill": fin.skill, "time_to_first_token_ms": round(fin.time_to_first_token * 1e3, 2),
+               "prompt_tps": round(fin.prompt_tps, 2), "generation_tps": round(fin.generation_tps, 2)}
+        if fin.spec_drafted:
+            out.update(spec_drafted=fin.spec_drafted, spec_accepted=fin.spec_accepted)
+        return out
 
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:

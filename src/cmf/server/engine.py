@@ -94,6 +94,8 @@ class Finished:
     generation_tps: float = 0.0
     task: str | None = None
     skill: str | None = None
+    spec_drafted: int = 0  # MTP drafts proposed / accepted (speculative decoding)
+    spec_accepted: int = 0
 
 
 @dataclass
@@ -136,13 +138,16 @@ class Engine:
     """Runs :class:`Job` s on ``model`` in one worker thread; ``submit`` is safe from any thread."""
 
     def __init__(self, model: Any, *, max_queue: int = 64, default_task: str | None = None,
-                 default_skill: str | None = None) -> None:
+                 default_skill: str | None = None, speculative: bool = True) -> None:
+        """``speculative``: greedy requests decode with the file's MTP head when it has one
+        (the same tokens, fewer forward passes; see cmf.runtime.speculative)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.model = model
         self.max_queue = max_queue
         self.default_task = default_task
         self.default_skill = default_skill
+        self.speculative = speculative
         self.tokenizer = model.tokenizer  # loaded here, once: the property is not thread-safe
         # A deque under one condition rather than queue.Queue: pause() must keep jobs *in* the
         # queue (counted against max_queue), which a worker blocked in Queue.get() would not.
@@ -339,8 +344,11 @@ class Engine:
             if job.logprobs and (job.sampling.ignore_eos or token not in eos):
                 pending.append(self._logprob(job, token, logits))
 
+        # "auto" drafts only for greedy requests on a file with an MTP head, and stops drafting on
+        # prompts where drafts keep failing; a sampled request always decodes plainly.
+        spec = "auto" if self.speculative and job.sampling.temperature < 1e-6 else "off"
         last = None
-        for r in model.stream(job.prompt_ids, max_tokens=job.max_tokens, on_token=on_token,
+        for r in model.stream(job.prompt_ids, max_tokens=job.max_tokens, on_token=on_token, spec=spec,
                               **job.sampling.kwargs()):
             last = r
             if r.text:
@@ -355,4 +363,5 @@ class Engine:
         # reports logprobs for the content only, so they are dropped.
         self._emit(job, Finished(last.finish_reason, len(job.prompt_ids), last.generation_tokens,
                                  last.time_to_first_token, last.prompt_tps, last.generation_tps,
-                                 model.task, model.skill))
+                                 model.task, model.skill, getattr(last, "spec_drafted", 0),
+                                 getattr(last, "spec_accepted", 0)))

@@ -30,6 +30,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="requests waiting beyond the running one before 429 (default 64)")
     p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
+    p.add_argument("--spec", choices=("auto", "off"), default="auto",
+                   help="MTP speculative decoding for greedy requests when the file has an MTP head "
+                        "(same tokens, fewer forwards; default auto)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (access lines are at info)")
     p.set_defaults(run=run)
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     engine = None
     try:
         model_id = args.alias or Path(path).name.removesuffix(".cmf")
-        engine = Engine(model, max_queue=args.max_queue, default_task=args.task, default_skill=args.skill)
+        engine = Engine(model, max_queue=args.max_queue, default_task=args.task, default_skill=args.skill,
+                        speculative=args.spec == "auto")
         app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body)
         sock = bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
