@@ -174,6 +174,7 @@ def speculative_generate_step(model, prompt_ids: Sequence[int], *, sampler: Samp
             hv = model.hidden(x, cache)
             lv = model.project(hv)
             accepted = 0
+            finished = False
             for i in range(len(x)):
                 valid = pos0 + i + 1  # x[0..i] are the tokens plain decoding would have fed
                 logits = lv[i]
@@ -183,20 +184,22 @@ def speculative_generate_step(model, prompt_ids: Sequence[int], *, sampler: Samp
                 yield token, logits
                 seen.append(token)
                 n += 1
-                if max_tokens >= 0 and n >= max_tokens:
-                    return
-                if i < len(drafts) and token == drafts[i]:
+                finished = max_tokens >= 0 and n >= max_tokens
+                if not finished and i < len(drafts) and token == drafts[i]:
                     accepted += 1
                     continue
                 break
-            cache.truncate(valid)
-            pend_t += drafts[:accepted] + [token]
-            pend_h = np.concatenate([pend_h, hv[:accepted + 1]])
             if drafts:
                 stats.rounds += 1
                 stats.drafted += len(drafts)
                 stats.accepted += accepted
                 stats.emitted += accepted + 1
+            if finished:
+                return
+            cache.truncate(valid)
+            pend_t += drafts[:accepted] + [token]
+            pend_h = np.concatenate([pend_h, hv[:accepted + 1]])
+            if drafts:
                 losing = losing + 1 if accepted == 0 else 0
                 if mode == "auto" and losing >= AUTO_LOSING_ROUNDS:
                     log.debug("speculative auto: %d rounds without an accepted draft; plain decoding for %d "
