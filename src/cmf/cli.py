@@ -33,6 +33,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "diff": ("diff", "semantic difference of two models (arch, tensors, skills, masks)"),
     "masks": ("masks", "list the task masks: sparsity, quality, layers touched"),
     "compact": ("compact", "rewrite a model tightly (drops dead bytes, joins shards)"),
+    "requant": ("requant", "re-encode a model's matrices to another quant (q4t -> q4tp, q8 -> q4tp, ...), or in place"),
+    "quant-report": ("quant_report", "bits per weight and error of each quantization on a model's matrices "
+                                     "(.cmf or HF folder)"),
     "run": ("run", "generate text from a prompt (streams to stdout; stats on stderr)"),
     "chat": ("chat", "interactive multi-turn chat with the model"),
     "ppl": ("perplexity", "teacher-forced perplexity of a text file"),
