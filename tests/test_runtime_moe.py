@@ -22,7 +22,7 @@ import hf_fixtures as H  # noqa: E402
 import cmf  # noqa: E402
 from cmf.format.header import as_arch  # noqa: E402
 from cmf.runtime.ops.moe import Routing, cover_mask, route  # noqa: E402
-from cmf.runtime.plan import MoePlan, PlanError, build_plan  # noqa: E402
+from cmf.runtime.plan import PlanError, build_plan  # noqa: E402
 from cmf.tools.route_stats import route_stats  # noqa: E402
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
@@ -244,3 +244,35 @@ def test_route_stats_cli_and_moe_stats_env(tmp_path, monkeypatch):
         fn(*a)
     env_stats = json.loads(env_out.read_text())
     assert sum(env_stats["0"]) == (sum(stats["0"]) // 2 // 8) * 8 * 2  # whole windows of 8, top-2
+
+
+def test_task_mask_expert_row_restricts_routing(tmp_path):
+    from cmf.format.masks import MaskSet, TaskMask
+    from cmf.format.reader import open as open_cmf
+    from cmf.format.writer import CmfWriter
+
+    out = tmp_path / "masked.cmf"
+    with open_cmf(H.converted("qwen3_moe")) as src:
+        a = src.arch
+        with CmfWriter(out, dict(src.header.raw)) as w:
+            for name in src:
+                t = src.tensor(name)
+                w.add(name, t.dtype, t.shape, t.numpy())
+            full = dict(ffn=np.ones((a.num_layers, a.intermediate_size), bool),
+                        heads=np.ones((a.num_layers, a.num_attention_heads), bool), gates=np.ones(a.num_layers, bool))
+            experts = np.zeros((a.num_layers, 4), bool)
+            experts[0, [1, 2]] = True  # layer 1's empty row means unrestricted
+            w.set_masks(MaskSet(default_task="general", masks=[
+                TaskMask(task_id=0, name="general", priority="Fallback", **full),
+                TaskMask(task_id=1, name="two", experts=experts, **full)]))
+    ids = O.prompt(10, 24).tolist()
+    with cmf.load(out) as m:
+        m.collect_route_stats(True)
+        m.logits(ids)
+        assert all(c > 0 for c in m.route_stats()["0"])  # general: every expert routable
+        m.select(task="two")
+        m.reset_route_stats()
+        m.logits(ids)
+        stats = m.route_stats()
+        assert stats["0"][0] == stats["0"][3] == 0 and sum(stats["0"]) == 2 * len(ids)
+        assert sum(stats["1"]) == 2 * len(ids) and sum(c > 0 for c in stats["1"]) > 2

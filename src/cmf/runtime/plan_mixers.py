@@ -116,7 +116,8 @@ def mla_plan(p: str, arch, shape_of: ShapeOf, heads: int, where: str) -> MlaPlan
         nope, rope_dim, v_dim, rank = (int(mla[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
                                                              "v_head_dim", "kv_lora_rank"))
     except (KeyError, TypeError, ValueError):
-        raise PlanError(f"{where}: arch.mla needs qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank") from None
+        raise PlanError(f"{where}: arch.mla needs qk_nope_head_dim, qk_rope_head_dim, v_head_dim and "
+                        f"kv_lora_rank") from None
     s = p + "self_attn."
     has = lambda n: shape_of(s + n) is not None  # noqa: E731
     h = arch.hidden_size
@@ -147,7 +148,8 @@ def mla_plan(p: str, arch, shape_of: ShapeOf, heads: int, where: str) -> MlaPlan
         scale *= m * m
     return MlaPlan(
         kv_a=check("kv_a_proj_with_mqa.weight", (rank + rope_dim, h)),
-        kv_a_norm=check("kv_a_layernorm.weight", (rank,)), kv_b=check("kv_b_proj.weight", (heads * (nope + v_dim), rank)),
+        kv_a_norm=check("kv_a_layernorm.weight", (rank,)),
+        kv_b=check("kv_b_proj.weight", (heads * (nope + v_dim), rank)),
         o=check("o_proj.weight", (h, heads * v_dim)), heads=heads, nope_dim=nope, rope_dim=rope_dim, v_dim=v_dim,
         kv_rank=rank, scale=scale, rope=rope, interleave=bool(mla.get("rope_interleave", True)),
         kv_a_bias=s + "kv_a_proj_with_mqa.bias" if has("kv_a_proj_with_mqa.bias") else None,
