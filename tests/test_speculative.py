@@ -161,3 +161,38 @@ def test_generate_text_and_cli_report_acceptance(capsys):
                  "--speculative", "--draft", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "spec_acceptance" in out and out["generated_tokens"] >= 1
+
+
+def test_linear_attention_mtp_block(tmp_path, monkeypatch):
+    """An MTP block that is a Gated DeltaNet layer: its state survives drafting intact."""
+    from safetensors.torch import load_file, save_file
+
+    from cmf.convert import convert
+
+    folder = H.build("qwen3_next", tmp_path / "src", mtp=True)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd = {k: v for k, v in sd.items() if not k.startswith("mtp.layers.0.")}
+    sd.update({"mtp.layers.0." + k[len("model.layers.0."):]: v.clone() for k, v in list(sd.items())
+               if k.startswith("model.layers.0.")})
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "m.cmf"
+    convert(folder, out, quant="f32")
+    with cmf.load(out) as m:
+        assert type(m.plan.mtp.layers[0].attn).__name__ == "GdnPlan"
+        ids = prompts(1)[0]
+        head = m.mtp_head()
+        h = m.hidden(ids, m.new_cache())
+        drafted, fed = head.new_cache(), head.new_cache()
+        head.draft(ids[1:], h[:-1], drafted, 4)
+        head.step(ids[1:], h[:-1], fed)
+        a, b = drafted.layers[0], fed.layers[0]
+        assert drafted.pos == fed.pos == a.pos == len(ids) - 1
+        assert np.array_equal(a.S, b.S) and np.array_equal(a.conv, b.conv)
+        truth = O.greedy(m, ids, 20)
+        for k in (1, 3):
+            assert O.greedy(m, ids, 20, spec="on", spec_k=k) == truth
+        oracle = Oracle(truth, len(ids), m.plan.vocab)
+        monkeypatch.setattr(MtpHead, "draft", lambda head, *a, o=oracle: o(head, *a))
+        stats = SpecStats()
+        assert O.greedy(m, ids, 20, spec="on", spec_k=3, spec_stats=stats) == truth
+        assert stats.accepted == oracle.expected_accepted > 0

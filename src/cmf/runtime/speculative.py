@@ -28,7 +28,7 @@ import numpy as np
 
 from ..format.errors import CmfError
 from .blocks import Block
-from .cache import Cache
+from .cache import Cache, LinearState
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .sampling import Processor, Sampler
 
@@ -114,12 +114,19 @@ class MtpHead:
         the cache: later entries were built from the head's own hidden states."""
         h, logits = self.step(tokens, hidden, cache)
         keep = cache.pos
+        st = cache.layers[0]
+        # A linear-attention MTP block: keep its state (its arrays are replaced, never mutated).
+        saved = (st.conv, st.S) if isinstance(st, LinearState) else None
         drafts = [int(np.argmax(logits[-1]))]
         g = h[-1:]
         while len(drafts) < k:
             g, logits = self.step(drafts[-1:], g, cache)
             drafts.append(int(np.argmax(logits[-1])))
-        cache.truncate(keep)
+        if saved is not None:
+            st.conv, st.S = saved
+            st.pos = cache.pos = keep
+        else:
+            cache.truncate(keep)
         return drafts
 
 
