@@ -284,6 +284,9 @@ def test_api_key(keyed):
     status, _, _ = request(keyed, "POST", "/v1/chat/completions", {"messages": HELLO},
                         {"Authorization": "Basic " + KEY})
     assert status == 401
+    for path in ("/v1/models/" + MODEL_ID, "/models/" + MODEL_ID, "/models", "/v1/unknown"):
+        assert request(keyed, "GET", path)[0] == 401, path
+    assert request(keyed, "GET", "/models", headers={"Authorization": "Bearer " + KEY})[0] == 200
     assert request(keyed, "GET", "/health")[0] == 200  # health stays public
 
 

@@ -41,7 +41,7 @@ STATIC_DIR = Path(__file__).with_name("static")
 # A body over the cap is read and discarded up to this much before the 413, so that a client
 # still sending gets the answer instead of a connection reset; past it the connection is dropped.
 _DRAIN_LIMIT = 64 << 20
-_PUBLIC_PATHS = ("/health",)  # answered without the API key (load balancers, the UI shell)
+_PUBLIC_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
 
 
 # ----------------------------------------------------------------------------------- plumbing
@@ -93,10 +93,11 @@ class _Guard:
         self.key = api_key.encode() if api_key else None
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.key is None or scope["path"] in _PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+        path = scope["path"]
+        # Open: health, and the UI page with its static files (the page asks for the key itself).
+        # Everything else needs the key, unknown paths included, so no alias can slip past.
+        if self.key is None or path in _PUBLIC_PATHS or path == "/" or path.startswith("/static/"):
             return True
-        if not scope["path"].startswith("/v1") and scope["path"] not in _API_ALIASES:
-            return True  # the UI page and static files; the page asks for the key itself
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
@@ -130,8 +131,6 @@ class _Guard:
             access_log.info("method=%s path=%s status=%d%s%s duration_ms=%.1f", scope.get("method"),
                             scope["path"], status[0] or 499, tokens, reason, (time.perf_counter() - t0) * 1000)
 
-
-_API_ALIASES = ("/models", "/chat/completions", "/completions")
 
 
 async def _read_json(request: Request, limit: int) -> Any:
