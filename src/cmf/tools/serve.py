@@ -24,7 +24,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("CMF_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CMF_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on all routes but /health and the UI "
+                        "(default: $CMF_API_KEY)")
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name without .cmf)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond the running one before 429 (default 64)")
