@@ -590,3 +590,36 @@ def test_greedy_requests_use_mtp_drafts_with_identical_answers():
     finally:
         eng.close()
         model.close()
+
+
+# ----------------------------------------------------------------------------------- validation fuzz
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cmf.server import schemas  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+                     | st.text(max_size=8),
+                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+                     max_leaves=12)
+_keys = st.sampled_from(["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+                         "stop", "seed", "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options",
+                         "presence_penalty", "frequency_penalty", "top_k", "min_p", "repeat_penalty", "cmf", "tools",
+                         "response_format", "chat_template_kwargs", "prompt", "echo", "suffix", "best_of",
+                         "ignore_eos"])
+_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | _json,
+                                  "content": st.text(max_size=8) | _json})
+_body = st.dictionaries(_keys, _json, max_size=8) | st.builds(
+    lambda d, m: dict(d, messages=m), st.dictionaries(_keys, _json, max_size=6), st.lists(_message, max_size=3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_body | _json)
+def test_validation_never_raises_anything_but_request_error(body):
+    for parse in (schemas.parse_chat, schemas.parse_completion):
+        try:
+            parse(body, vocab=384)
+        except schemas.RequestError as err:
+            assert 400 <= err.status < 500 and err.message and set(err.body()["error"]) == {
+                "message", "type", "param", "code"}
