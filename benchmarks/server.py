@@ -5,14 +5,14 @@
 
 The benchmark model (../shared/models/base, a 3.67M-parameter Qwen3) is converted once at
 ``--quant``; ``cmf serve`` runs in a subprocess (so the clients here do not share its GIL) on a
-loopback port. Each client thread sends ``--requests`` streaming chat requests one after the other
-(prompts from texts/*-prompts.txt, greedy, ``ignore_eos`` so every answer is ``--max-tokens``
-long) and times the first content chunk (TTFT) and the whole answer. The runtime's own decode
-speed on one sequence, without HTTP, is measured first as the reference.
+loopback port. Each client thread sends ``--requests`` streaming chat requests one after the
+other (prompts from texts/*-prompts.txt, greedy, end-of-sequence pushed down by ``logit_bias``
+so every answer is ``--max-tokens`` long) and times the first content chunk (TTFT) and the whole
+answer. The runtime's own decode speed on one sequence, without HTTP, is measured first.
 
-``--write`` puts the result into the ``## server`` section of benchmarks/RESULTS.md.
-llama-cpp-python's server is compared when ``llama_cpp`` is importable and a GGUF of the model
-exists (``--gguf``); otherwise the table says it was not run.
+When ``llama_cpp.server`` (llama-cpp-python with its server extra) is importable, the same load
+runs against it on a Q8_0 GGUF that ``cmf.convert.gguf_export`` writes from the same file (or
+``--gguf``). ``--write`` puts the result into the ``## server`` section of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -66,10 +66,15 @@ def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str, 
     raise RuntimeError("cmf serve did not start")
 
 
+# End-of-sequence ids pushed down with logit_bias so every answer runs to max_tokens on both servers
+# (llama-cpp-python has no ignore_eos); set by main() from the model's tokenizer.
+NO_EOS: dict[str, float] = {}
+
+
 def one_request(host: str, port: int, prompt: str, max_tokens: int) -> tuple[float, float, int, float]:
     """One streaming chat request: (ttft s, total s, completion tokens, the engine's own decode t/s)."""
     body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "temperature": 0, "logit_bias": NO_EOS, "stream": True,
                        "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection(host, port, timeout=600)
     t0 = time.perf_counter()
@@ -78,22 +83,25 @@ def one_request(host: str, port: int, prompt: str, max_tokens: int) -> tuple[flo
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
     ttft = None
-    tokens = 0
+    tokens = chunks = 0
     engine_tps = 0.0
     for raw in r:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         obj = json.loads(line[6:])
-        if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
-            ttft = time.perf_counter() - t0
+        if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+            chunks += 1
+            if ttft is None:
+                ttft = time.perf_counter() - t0
         if obj.get("usage"):
             tokens = obj["usage"]["completion_tokens"]
         if obj.get("cmf"):
             engine_tps = obj["cmf"].get("generation_tps", 0.0)
     total = time.perf_counter() - t0
     conn.close()
-    return (ttft if ttft is not None else total), total, tokens, engine_tps
+    # a server without stream usage: one content chunk per token
+    return (ttft if ttft is not None else total), total, tokens or chunks, engine_tps
 
 
 def run_level(host: str, port: int, clients: int, per_client: int, texts: list[str],
@@ -131,6 +139,43 @@ def run_level(host: str, port: int, clients: int, per_client: int, texts: list[s
             "rps": len(results) / wall, "tps": tokens / wall, "ttft_p50": pct(ttfts, 0.5),
             "ttft_p99": pct(ttfts, 0.99), "latency_p50": statistics.median(r[1] for r in results) if results else 0,
             "engine_tps": statistics.median(r[3] for r in results) if results else 0}
+
+
+def start_llama_server(gguf: Path, ctx: int) -> tuple[subprocess.Popen, str, int]:
+    """llama-cpp-python's OpenAI server on a free port (same thread count as the cores)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "--n_ctx", str(ctx), "--n_threads", str(os.cpu_count() or 1), "--model_alias", "bench"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("llama_cpp.server exited at start")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return proc, "127.0.0.1", port
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("llama_cpp.server did not start")
+
+
+def run_all(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[list]:
+    one_request(host, port, texts[0], 4)  # warm-up
+    rows = []
+    for c in levels:
+        r = run_level(host, port, c, args.requests, texts, args.max_tokens)
+        print(json.dumps(r), file=sys.stderr)
+        rows.append([c, r["requests"], r["errors"], f"{r['rps']:.2f}", f"{r['tps']:.1f}",
+                     f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
+                     f"{r['latency_p50'] * 1e3:.0f}", f"{r['engine_tps']:.0f}" if r["engine_tps"] else ""])
+    return rows
 
 
 def runtime_reference(model: Path, prompt: str, max_tokens: int) -> float:
@@ -186,46 +231,60 @@ def main() -> None:
             model = Path(tmp) / f"base-{args.quant}.cmf"
             convert(models / "base", model, quant=args.quant)
         load_before = os.getloadavg()[0]
+        import cmf
+
+        with cmf.load(model) as m:
+            NO_EOS.update({str(i): -100 for i in sorted(m.tokenizer.eos_ids)})
         ref = runtime_reference(model, texts[0], args.max_tokens)
         print(f"runtime alone: {ref:.1f} tokens/s decode", file=sys.stderr)
         proc, host, port = start_server(model, ["--alias", "bench"])
-        rows = []
         try:
-            one_request(host, port, texts[0], 4)  # warm-up: numba kernels load in the server
-            for c in levels:
-                r = run_level(host, port, c, args.requests, texts, args.max_tokens)
-                print(json.dumps(r), file=sys.stderr)
-                rows.append([c, r["requests"], r["errors"], f"{r['rps']:.2f}", f"{r['tps']:.1f}",
-                             f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
-                             f"{r['latency_p50'] * 1e3:.0f}", f"{r['engine_tps']:.0f}"])
+            rows = run_all(host, port, levels, args, texts)
         finally:
             proc.send_signal(2)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        load_after = os.getloadavg()[0]
-    try:
-        import llama_cpp  # noqa: F401
+        llama_rows: list[list] = []
+        try:
+            import llama_cpp.server  # noqa: F401
 
-        llama = "installed, but no --gguf given" if not args.gguf else "see below"
-    except ImportError:
-        llama = "not installed here, so not run"
+            gguf = Path(args.gguf) if args.gguf else Path(tmp) / "model-q8_0.gguf"
+            if not args.gguf:
+                from cmf.convert.gguf_export import export_gguf
+
+                export_gguf(model, gguf, "Q8_0")
+            lproc, lhost, lport = start_llama_server(gguf, 2048)
+            try:
+                llama_rows = run_all(lhost, lport, levels, args, texts)
+                llama = f"GGUF Q8_0 exported by `cmf export --format gguf`, llama-cpp-python {llama_cpp.__version__}"
+            finally:
+                lproc.terminate()
+                lproc.wait(30)
+        except ImportError as exc:
+            llama = f"not run: llama_cpp.server is not importable here ({exc.name or exc})"
+        except Exception as exc:  # noqa: BLE001 - reported in the section instead
+            llama = f"not run: {exc}"
+        load_after = os.getloadavg()[0]
     numba_threads = os.environ.get("NUMBA_NUM_THREADS", "all cores")
+    headers = ["clients", "requests", "errors", "requests/s", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+               "latency p50 (ms)", "engine t/s"]
     text = (f"Run {datetime.date.today()} on {machine()} (`benchmarks/server.py --clients {args.clients} "
             f"--requests {args.requests} --max-tokens {args.max_tokens}`); model: ../shared/models/base "
             f"(Qwen3, 3.67M parameters) at {args.quant}; numba threads: {numba_threads}. Server and clients "
-            "share the machine. Streaming chat, greedy, `ignore_eos`, every answer "
+            "share the machine. Streaming chat, greedy, end-of-sequence suppressed by logit_bias, every answer "
             f"{args.max_tokens} tokens; TTFT = first content chunk as the client sees it (queueing included); "
             "engine t/s = the decode rate the engine itself reports for each request (median), which "
             "separates HTTP overhead from compute. Load average (1 min) before/after: "
             f"{load_before:.2f} / {load_after:.2f}.\n\n"
             f"Runtime alone, one sequence, no HTTP: **{ref:.1f} tokens/s** decode (median of 5).\n\n"
-            + table(["clients", "requests", "errors", "requests/s", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
-                     "latency p50 (ms)", "engine t/s"], rows)
+            "### cmf serve\n\n" + table(headers, rows)
             + "\n\nThe engine runs one sequence at a time (requests queue; no batched decode yet), so "
-            "tokens/s stays at the single-stream rate while TTFT grows with the queue. "
-            f"llama-cpp-python's server: {llama}.\n")
+            "tokens/s stays at the single-stream rate while TTFT grows with the queue.\n\n"
+            f"### llama_cpp.server\n\n{llama}.\n")
+    if llama_rows:
+        text += "\n" + table(headers, llama_rows) + "\n"
     print(text)
     if args.write:
         write_section(text)
