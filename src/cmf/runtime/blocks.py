@@ -26,6 +26,11 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
 
+def _heads_off(out: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """Zero the masked heads of an attention output [T, heads, d] (a task mask's head bitfield)."""
+    return out if keep is None else np.where(keep[None, :, None], out, np.float32(0))
+
+
 class _Norms:
     """Norm weights prepared once (the gemma ``1 + w`` folded in)."""
 
@@ -45,6 +50,7 @@ class Attention:
         self.qb, self.kb, self.vb, self.ob = (w.vector(n) for n in (a.q_bias, a.k_bias, a.v_bias, a.o_bias))
         self.qn, self.kn = norm(a.q_norm), norm(a.k_norm)
         self.g = w.linear(a.g_proj) if a.g_proj else None
+        self.head_keep: np.ndarray | None = None  # task mask: bool per head, None = all heads
 
     def new_state(self) -> LayerKV:
         return LayerKV(self.a.kv_heads, self.a.head_dim, self.a.window, self.a.v_head_dim)
@@ -83,6 +89,7 @@ class Attention:
         if self.g is not None:
             g = np.logaddexp(0, self.g(h)).astype(np.float32)  # softplus
             out = out * (g[:, :, None] if g.shape[-1] == a.heads else g.reshape(out.shape))
+        out = _heads_off(out, self.head_keep)
         y = self.o(out.reshape(t, -1))
         if self.ob is not None:
             y += self.ob
@@ -104,6 +111,7 @@ class LatentAttention:
         self.kv_a, self.o = w.linear(a.kv_a), w.linear(a.o)
         self._wk: np.ndarray | None = None
         self._wv: np.ndarray | None = None
+        self.head_keep: np.ndarray | None = None  # task mask: bool per head, None = all heads
 
     def _kv_b(self) -> tuple[np.ndarray, np.ndarray]:
         """kv_b as [heads, nope, rank] and [heads, v, rank] (decoded once; a view for f32 files)."""
@@ -142,6 +150,7 @@ class LatentAttention:
         latents, k_rots, k0 = kv.append(latent[:, None, :], k_rot)
         wk, wv = self._kv_b()
         out = latent_attend(q_nope, q_rot, latents[:, 0], k_rots[:, 0], wk, wv, pos0, k0, a.scale)
+        out = _heads_off(out, self.head_keep)
         y = self.o(out.reshape(t, -1))
         if self.ob is not None:
             y += self.ob
@@ -198,12 +207,54 @@ class DeltaNet:
 
 
 class DenseFfn:
+    """SwiGLU/GeGLU FFN. Under a task mask (``set_mask``) only the live neurons run: their rows of
+    gate/up through the row-restricted kernel, and the live columns of down gathered once per mask
+    (runtime/masked.py). Dead neurons are never read."""
+
     def __init__(self, f: FfnPlan, w: Weights) -> None:
         self.gate, self.up, self.down = w.linear(f.gate), w.linear(f.up), w.linear(f.down)
         self.act = activation(f.act)
+        self.width = f.width
+        self._w = w
+        self._live: np.ndarray | None = None  # live neuron indices; None = unmasked fast path
+        self._down_live: tuple | None = None  # (LinearOp over the live columns, positions)
+        self._key = b""
+        self._cache: dict[bytes, tuple] = {}  # gathered down ops of recent masks (cheap switching back)
+
+    def set_mask(self, keep: np.ndarray | None) -> None:
+        """Restrict to the neurons where ``keep`` (bool [width]) is set; None or all-set: no mask."""
+        if keep is None or keep.all():
+            self._live, self._down_live = None, None
+            return
+        live = np.flatnonzero(keep).astype(np.int64)
+        if self._live is not None and np.array_equal(live, self._live):
+            return
+        self._live, self._key = live, np.packbits(keep).tobytes()
+        self._down_live = self._cache.get(self._key)
+
+    def _down_op(self) -> tuple:
+        if self._down_live is None:
+            from .masked import live_columns
+
+            self._down_live = live_columns(self.down, self._live, reference=self._w.reference)
+            if len(self._cache) >= 2:  # keep the last two masks' gathers: A -> B -> A costs nothing
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[self._key] = self._down_live
+        return self._down_live
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        return self.down(self.act(self.gate(h)) * self.up(h))
+        live = self._live
+        if live is None:
+            return self.down(self.act(self.gate(h)) * self.up(h))
+        if live.size == 0:
+            return np.zeros((*h.shape[:-1], self.down.out_features), np.float32)
+        a = self.act(self.gate.rows(live, h)) * self.up.rows(live, h)
+        down, pos = self._down_op()
+        if pos is not None:  # group-gathered columns: dead neurons inside kept groups get 0
+            x = np.zeros((*a.shape[:-1], down.in_features), np.float32)
+            x[..., pos] = a
+            a = x
+        return down(a)
 
 
 class MoeFfn:
@@ -253,6 +304,7 @@ class Block:
         self.ffn = MoeFfn(lp.ffn, w) if isinstance(lp.ffn, MoePlan) else DenseFfn(lp.ffn, w)
         self.n_in, self.n_post_attn = norm(lp.input_norm), norm(lp.post_attn_norm)
         self.n_pre_ffn, self.n_post_ffn = norm(lp.pre_ffn_norm), norm(lp.post_ffn_norm)
+        self.alive = True  # a task mask's layer gate: False skips the layer (the residual passes)
 
     def new_state(self):
         return self.mixer.new_state()
@@ -261,6 +313,8 @@ class Block:
         return rms_norm_prepared(x, w, self.eps) if w is not None else x
 
     def __call__(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
+        if not self.alive:
+            return x
         a = self.mixer(self._n(x, self.n_in), state, pos0)
         if self.plan.sandwich:
             x = x + self._n(a, self.n_post_attn)

@@ -103,8 +103,13 @@ class Model:
                 b.ffn.counts[:] = 0
 
     def _apply_expert_masks(self) -> None:
-        """Admitted experts per MoE layer: the runtime mask (CMF_MOE_MASK) ∧ the task mask's row."""
+        """Apply the active task mask (spec §5): FFN neurons, heads and layer gates per layer (see
+        runtime/task_masks.py), and the admitted experts per MoE layer: the runtime mask
+        (CMF_MOE_MASK) ∧ the task mask's row. Called after every selection change."""
         mask = self.file.masks.get(self.task) if (self.file.masks is not None and getattr(self, "task", None)) else None
+        from .task_masks import apply_task_mask
+
+        apply_task_mask(self, mask)
         for i, b in enumerate(self._blocks):
             if not isinstance(b.ffn, MoeFfn):
                 continue

@@ -1,0 +1,93 @@
+"""Task-mask execution helpers (spec §5): the live-column ``down_proj`` and page release.
+
+Under an FFN mask only the live neurons run: rows of ``gate_proj``/``up_proj`` through the
+kernels' row-restricted product (dead rows are not read), and the live COLUMNS of ``down_proj``.
+Columns are strided in a row-major payload, so the live ones are gathered once per task into a
+small in-memory payload of the same dtype (``cmf.quant.columns``) that the ordinary fused kernel
+multiplies at full speed. After the gather the mapped pages of the full ``down_proj`` are handed
+back to the kernel (``madvise(MADV_DONTNEED)`` on the read-only file mapping: nothing is lost,
+a later unmasked product faults them in again), so a mask's resident memory is its live part.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import sys
+
+import numpy as np
+
+from .. import kernels
+from ..format.constants import Dtype
+
+log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+
+
+class MemTensor:
+    """An in-memory matrix with the QTensor attributes the kernels use."""
+
+    def __init__(self, name: str, dtype: Dtype, shape: tuple[int, int], payload: np.ndarray) -> None:
+        self.name, self.dtype, self.shape = name, Dtype(int(dtype)), tuple(int(d) for d in shape)
+        self._u8 = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
+        self.nbytes = int(self._u8.size)
+
+    def numpy(self) -> np.ndarray:
+        return self._u8
+
+
+def live_columns(op, cols: np.ndarray, *, reference: bool = False) -> tuple[object, np.ndarray | None]:
+    """(LinearOp over ``W[:, cols]`` or a superset of it, positions) for the LinearOp ``op``.
+
+    ``positions`` is None when the op takes exactly the live activations in order; otherwise the
+    op takes a wider vector and live activation k goes to column ``positions[k]`` (zeros elsewhere).
+    An op that is not over stored bytes (a blend's working tensor) gives its dense columns.
+    """
+    from ..quant import decode
+    from ..quant.columns import gather_columns
+
+    cols = np.ascontiguousarray(cols, dtype=np.int64)
+    tensor = getattr(op, "tensor", None)
+    if tensor is None or not hasattr(tensor, "numpy"):
+        w = np.ascontiguousarray(op.dense()[:, cols], dtype=np.float32)
+        return kernels.prepare(MemTensor("live", Dtype.F32, w.shape, w.view(np.uint8)), reference=reference), None
+    buf = tensor.numpy()
+    sub = gather_columns(buf, tensor.dtype, tensor.shape, cols)
+    if sub is None:
+        # No same-dtype gather for this layout (vbit, q1s, q1t): the live columns as float32.
+        log.debug("%s: %s has no column gather; live columns decoded to f32", tensor.name, tensor.dtype.label)
+        w = np.ascontiguousarray(decode(buf, tensor.dtype, tensor.shape)[:, cols])
+        sub_t = MemTensor(tensor.name + "[live]", Dtype.F32, w.shape, w.view(np.uint8))
+        positions = None
+    else:
+        sub_t = MemTensor(tensor.name + "[live]", sub.dtype, sub.shape, sub.payload)
+        positions = None if np.array_equal(sub.positions, np.arange(cols.size)) else sub.positions
+    release_pages(buf)
+    return kernels.prepare(sub_t, reference=reference), positions
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """Whether ``a`` is a view into an ``mmap`` (never madvise anonymous memory: it would be zeroed)."""
+    base = a
+    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return isinstance(base, mmap.mmap)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Drop this process's mapping of the whole pages inside ``view`` (a read-only file mapping):
+    resident memory falls, the data stays in the page cache and faults back in if read again."""
+    if not sys.platform.startswith("linux") or view.size < _PAGE or not _mapped(view):
+        return
+    addr = view.ctypes.data
+    start = -(-addr // _PAGE) * _PAGE
+    end = (addr + view.size) // _PAGE * _PAGE
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+    except (OSError, AttributeError):  # pragma: no cover - no libc madvise: memory stays resident
+        pass

@@ -1,0 +1,70 @@
+"""Applying a task mask (spec §5, REFERENCE_NOTES §3 "Masks") to the executable layers.
+
+Per decoder layer ``i``:
+
+- layer gate 0: the block is skipped, the residual passes through (its cache slot stays empty);
+- head bitfield: masked heads of an attention layer contribute zero (their output is zeroed
+  before ``o_proj``); linear-attention layers have no heads in this sense and are left alone;
+- FFN bitfield (row ``i``, the first visit, also for LOOP_MASKS files whose rows are per visit):
+  a dense FFN runs only its live neurons (blocks.DenseFfn). MoE layers have no dense neurons:
+  their FFN row is ignored and the expert row restricts routing instead (model.py).
+
+Rows are nominal-width (``arch.intermediate_size``, ``num_attention_heads``); a layer uses the
+first ``width`` bits. A row whose bits are all set restricts nothing and keeps the fast path, so a
+mask that forbids nothing costs nothing. Re-applying a mask is cheap: arrays are compared, and the
+gathered ``down_proj`` columns of the last masks are kept per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..format.masks import TaskMask
+from .blocks import Attention, DenseFfn, LatentAttention, MoeFfn
+
+log = logging.getLogger(__name__)
+
+
+def _row(bits: np.ndarray | None, i: int, width: int) -> np.ndarray | None:
+    """Row ``i`` cut (or padded with set bits) to ``width``; None when it restricts nothing."""
+    if bits is None or i >= bits.shape[0]:
+        return None
+    row = np.asarray(bits[i], dtype=bool)[:width]
+    if row.size < width:
+        row = np.concatenate([row, np.ones(width - row.size, bool)])
+    return None if row.all() else row
+
+
+def restricts(mask: TaskMask | None) -> bool:
+    """Whether ``mask`` forbids anything at all (FFN, heads, gates or experts)."""
+    if mask is None:
+        return False
+    parts = [mask.ffn, mask.heads, mask.gates] + ([mask.experts] if mask.experts is not None else [])
+    return not all(np.asarray(p, dtype=bool).all() for p in parts if np.size(p))
+
+
+def apply_task_mask(model, mask: TaskMask | None) -> None:
+    """Set every block's gate, head and FFN restriction from ``mask`` (None: unmasked).
+
+    Logs a warning the first time a mask whose ``quality`` is null becomes active: its effect on
+    quality was never measured (spec §5.1).
+    """
+    name = mask.name if mask is not None else None
+    if name != getattr(model, "_mask_applied", None):
+        if mask is not None and mask.quality is None:
+            log.warning("task %r: quality unmeasured (the mask carries no held-out metric); "
+                        "measure it with 'cmf mask create --heldout' or 'cmf ppl --task'", name)
+        model._mask_applied = name
+    if not restricts(mask):
+        mask = None
+    for i, b in enumerate(model._blocks):
+        b.alive = True if mask is None else mask.layer_alive(i)
+        mixer = b.mixer
+        if isinstance(mixer, (Attention, LatentAttention)):
+            mixer.head_keep = None if mask is None else _row(mask.heads, i, mixer.a.heads)
+        if isinstance(b.ffn, DenseFfn):
+            b.ffn.set_mask(None if mask is None else _row(mask.ffn, i, b.ffn.width))
+        elif isinstance(b.ffn, MoeFfn) and mask is not None and _row(mask.ffn, i, mask.ffn.shape[1]) is not None:
+            log.debug("task %r: layer %d is MoE; its FFN row is ignored (the expert row applies)", name, i)
