@@ -1,32 +1,141 @@
-"""Tensor sources for the runtime: skill indirection, cached small vectors, prepared matrices.
+"""Tensor sources for the runtime: skill indirection, soft blends, cached small vectors, prepared matrices.
 
 Matrices stay quantized in the mmap (``cmf.kernels.prepare`` gives a LinearOp over the stored
 bytes); only 1-D tensors (norms, biases) are decoded once, since they are tiny.
+
+Skills (spec §9): with a skill active, every tensor is read from ``skill.{id}.{name}`` when the
+file has it, else from the backbone entry ``name`` — replacement, never addition, and still a view
+into the mmap. A soft blend (spec claim 14) is the one case where memory is spent: each tensor
+that at least one blended skill replaces becomes the working tensor Σ wᵢ·Tᵢ materialized in f32
+(Tᵢ = skill i's replacement or the backbone tensor); every other tensor stays a view.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Mapping
 
 import numpy as np
 
 from .. import kernels
 from ..format.reader import CmfFile, QTensor
 
+log = logging.getLogger(__name__)
+
+SKILL_PREFIX = "skill."
+
+
+def skill_index(file: CmfFile) -> dict[str, dict[str, str]]:
+    """{skill id: {backbone name: stored name}} read from the directory (the per-skill delta index
+    of spec §9 is the directory itself: a prefix filter)."""
+    out: dict[str, dict[str, str]] = {}
+    for stored in file.keys():
+        if stored.startswith(SKILL_PREFIX):
+            sid, sep, name = stored[len(SKILL_PREFIX):].partition(".")
+            if sep and sid and name:
+                out.setdefault(sid, {})[name] = stored
+    return out
+
+
+class DenseLinear:
+    """A LinearOp over a materialized f32 matrix (blended working tensors)."""
+
+    def __init__(self, w: np.ndarray) -> None:
+        self.w = np.ascontiguousarray(w, dtype=np.float32)
+        self.out_features, self.in_features = self.w.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, dtype=np.float32) @ self.w.T
+
+    def rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, dtype=np.float32) @ self.w[np.asarray(rows)].T
+
+    def dense(self) -> np.ndarray:
+        return self.w
+
+
+# One component of the active selection: (skill id or None for the backbone, weight).
+Component = tuple[str | None, float]
+
 
 class Weights:
-    """Named tensor access for one model, with optional skill indirection (spec §9)."""
+    """Named tensor access for one model, with skill indirection and soft blends (spec §9)."""
 
-    def __init__(self, file: CmfFile, skill: str | None = None, *, reference_kernels: bool = False) -> None:
+    def __init__(self, file: CmfFile, skill: str | None = None, *, blend: Mapping[str | None, float] | None = None,
+                 reference_kernels: bool = False) -> None:
         self.file = file
-        self.skill = skill
         self.reference = reference_kernels
+        self.skill: str | None = None
+        self.blend: dict[str | None, float] | None = None
+        self._index = skill_index(file)
         self._vectors: dict[str, np.ndarray] = {}
         self._linears: dict[str, object] = {}
+        self._dense: dict[str, np.ndarray] = {}
+        self._mixed: dict[str, tuple[tuple[str, float], ...]] = {}
+        self.configure(skill, blend)
 
+    # -- selection ------------------------------------------------------------------------------
+    def replaced(self, skill: str | None) -> set[str]:
+        """Backbone names that ``skill`` replaces (empty for None or a skill without tensors)."""
+        return set(self._index.get(skill, {})) if skill else set()
+
+    def _sources_for(self, comps: list[Component], names: set[str]) -> dict[str, tuple[tuple[str, float], ...]]:
+        """For each name, its sources with summed weights (the backbone counted once)."""
+        out: dict[str, tuple[tuple[str, float], ...]] = {}
+        for name in names:
+            acc: dict[str, float] = {}
+            for sid, w in comps:
+                src = self._index.get(sid, {}).get(name, name) if sid else name
+                acc[src] = acc.get(src, 0.0) + w
+            out[name] = tuple(sorted(acc.items()))
+        return out
+
+    def _components(self) -> list[Component]:
+        if self.blend is not None:
+            return list(self.blend.items())
+        return [(self.skill, 1.0)]
+
+    def configure(self, skill: str | None = None, blend: Mapping[str | None, float] | None = None) -> set[str]:
+        """Make ``skill`` (or, when given, the normalized ``blend`` {skill id or None: weight}) the
+        active selection; return the backbone names whose working tensor changed.
+
+        Cached operators of those names are dropped, everything else is kept, so the caller needs
+        to re-prepare only the layers that use a returned name. A blend whose weight sits on one
+        component is that component: no tensor is materialized.
+        """
+        if blend is not None:
+            live = {k: float(v) for k, v in blend.items() if v > 0}
+            if len(live) == 1:
+                skill, blend = next(iter(live)), None
+            else:
+                blend = live
+        old = self._components()
+        new: list[Component] = list(blend.items()) if blend is not None else [(skill, 1.0)]
+        touched = set().union(*(self.replaced(s) for s, _ in old + new))
+        before, after = self._sources_for(old, touched), self._sources_for(new, touched)
+        changed = {n for n in touched if before[n] != after[n]}
+        self.skill, self.blend = (None, dict(blend)) if blend is not None else (skill, None)
+        self._mixed = {n: s for n, s in after.items() if len(s) > 1}
+        for n in changed:
+            self._vectors.pop(n, None)
+            self._linears.pop(n, None)
+            self._dense.pop(n, None)
+        if self._mixed:
+            log.debug("blend %s: %d working tensors materialized in f32 on use", self.blend, len(self._mixed))
+        return changed
+
+    @property
+    def blended_bytes(self) -> int:
+        """Bytes of the f32 working tensors materialized so far for the active blend."""
+        return sum(a.nbytes for a in self._dense.values())
+
+    # -- access ---------------------------------------------------------------------------------
     def source_name(self, name: str) -> str:
-        """``skill.{active}.{name}`` when the active skill replaces ``name``, else ``name``."""
+        """``skill.{active}.{name}`` when the active skill replaces ``name``, else ``name`` (under a
+        blend: the backbone name; the working tensor itself is :meth:`dense`)."""
         if self.skill:
-            alt = f"skill.{self.skill}.{name}"
-            if alt in self.file:
+            alt = self._index.get(self.skill, {}).get(name)
+            if alt is not None:
                 return alt
         return name
 
@@ -40,13 +149,26 @@ class Weights:
     def qtensor(self, name: str) -> QTensor:
         return self.file.tensor(self.source_name(name))
 
+    def dense(self, name: str) -> np.ndarray:
+        """The working tensor ``name`` as float32: Σ wᵢ·Tᵢ under a blend (materialized once), else decoded."""
+        mix = self._mixed.get(name)
+        if mix is None:
+            return self.file.array(self.source_name(name))
+        arr = self._dense.get(name)
+        if arr is None:
+            arr = np.zeros(self.file.tensor(name).shape, dtype=np.float32)
+            for src, w in mix:
+                arr += np.float32(w) * self.file.array(src)
+            self._dense[name] = arr
+        return arr
+
     def vector(self, name: str | None) -> np.ndarray | None:
         """A small tensor decoded to float32 once (norm weights, biases)."""
         if name is None:
             return None
         v = self._vectors.get(name)
         if v is None:
-            v = np.ascontiguousarray(self.file.array(self.source_name(name)), dtype=np.float32)
+            v = np.ascontiguousarray(self.dense(name), dtype=np.float32)
             self._vectors[name] = v
         return v
 
@@ -54,14 +176,19 @@ class Weights:
         """The LinearOp of a stored matrix (y = x @ W.T), prepared once."""
         op = self._linears.get(name)
         if op is None:
-            op = kernels.prepare(self.qtensor(name), reference=self.reference)
+            if name in self._mixed:
+                op = DenseLinear(self.dense(name))
+            else:
+                op = kernels.prepare(self.qtensor(name), reference=self.reference)
             self._linears[name] = op
         return op
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Decode only the rows ``ids`` of a matrix (embedding lookups)."""
-        t = self.qtensor(name)
         ids = np.asarray(ids, dtype=np.int64)
+        if name in self._mixed:
+            return self.dense(name)[ids]
+        t = self.qtensor(name)
         if t.dtype == 0:  # f32: a zero-copy gather
             return t.numpy().view("<f4").reshape(t.shape)[ids].astype(np.float32)
         from .. import quant
