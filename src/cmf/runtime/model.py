@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -43,7 +44,8 @@ class Model:
 
     def __init__(self, file: CmfFile, *, skill: str | None = None, task: str | None = None,
                  ctx_size: int | None = None, reference_kernels: bool = False, batch_size: int = 512,
-                 moe_mask: "str | os.PathLike | dict | None" = None, moe_mask_cover: float | None = None) -> None:
+                 moe_mask: "str | os.PathLike | dict | None" = None, moe_mask_cover: float | None = None,
+                 blend: "Mapping[str, float] | str | None" = None) -> None:
         if file.is_skill_file:
             raise NotRunnable(f"{file.path} is a standalone skill file (SKILL_FILE): a partial tensor set, "
                               f"not a model. Attach it first: cmf skill apply BASE {file.path.name} -o OUT.cmf")
@@ -51,7 +53,11 @@ class Model:
         self.arch = file.arch
         self._reference = reference_kernels
         self._check_skill(skill)
-        self.weights = Weights(file, skill, reference_kernels=reference_kernels)
+        self._auto: str | None = None  # "skill" / "blend": route every prompt (see select)
+        self.last_route = None  # the latest routing.Route, when a prompt was routed
+        self._bb_weights: Weights | None = None  # backbone view for routing while a skill is active
+        self.weights = Weights(file, None if skill in ("auto", "none") else skill,
+                               reference_kernels=reference_kernels)
         self.task: str | None = None
         self.plan: ModelPlan = build_plan(self.arch, self.weights.shape)
         self.ctx_size = int(ctx_size or self.plan.max_positions)
@@ -61,6 +67,10 @@ class Model:
         self._moe_keep = _moe_keep(moe_mask, moe_mask_cover, self.plan) if moe_mask is not None else {}
         self._prepare()
         self.select(task=task)
+        if blend is not None:
+            self.select(task=task, blend=blend)
+        elif skill == "auto":
+            self.select(task=task, skill="auto")
 
     # -- set-up ----------------------------------------------------------------------------------
     def _norm(self, name: str | None) -> np.ndarray | None:
@@ -69,7 +79,7 @@ class Model:
     def _prepare(self) -> None:
         w, plan = self.weights, self.plan
         old = getattr(self, "_blocks", None)
-        self._blocks = [Block(lp, w, plan.gemma_norm, plan.eps) for lp in plan.layers]
+        self._blocks = [self._make_block(lp) for lp in plan.layers]
         self._final_norm = self._norm(plan.final_norm)
         self._lm_head = w.linear(plan.lm_head)
         self._mtp = None  # the MTP head is built on first use (speculative.py)
@@ -139,31 +149,166 @@ class Model:
         return self.weights.skill
 
     def _check_skill(self, skill: str | None) -> None:
-        if skill not in (None, "none") and skill not in [s.id for s in self.file.skills]:
+        if skill not in (None, "none", "auto") and skill not in [s.id for s in self.file.skills]:
             known = ", ".join(s.id for s in self.file.skills) or "none"
             raise UnknownSkill(f"{self.file.path}: no skill {skill!r} (skills: {known})")
 
-    def select(self, *, task: str | None = None, skill: str | None = ...) -> None:  # type: ignore[assignment]
-        """Switch the active task mask and/or skill without reloading (``skill=None``: the backbone).
+    @property
+    def blend(self) -> dict[str | None, float] | None:
+        """The active soft blend {skill id or None (backbone): weight}, or None."""
+        return self.weights.blend
 
-        Unknown names raise UnknownTask / UnknownSkill. Switching a skill re-prepares only the
-        layers whose tensors the skill replaces (the others keep their prepared operators).
+    @property
+    def auto(self) -> str | None:
+        """"skill" or "blend" when every prompt is routed (``skill="auto"`` / ``blend="auto"``)."""
+        return self._auto
+
+    def select(self, *, task: str | None = None, skill: str | None = ...,  # type: ignore[assignment]
+               blend: "Mapping[str, float] | str | None" = None, route_prompt: Any = None):
+        """Switch the active task mask, skill or blend without reloading.
+
+        ``skill``: an id, None or "none" (the backbone), or "auto" (route each prompt by
+        recon-argmin; no routable skill → the backbone); left out, the current selection stays.
+        ``blend``: {id: weight} (normalized to sum 1; "none" names the backbone) or "auto" (the two
+        skills with the smallest E, w ∝ exp(−E/0.4)); it replaces the skill. With an "auto"
+        selection the prompt is routed now when ``route_prompt`` (text, messages or token ids) is
+        given, else by the next :meth:`stream`/:meth:`generate`. Returns the routing.Route made
+        here, or None.
+
+        Unknown names raise UnknownTask / UnknownSkill. Switching re-prepares only the layers
+        whose tensors change (the others keep their prepared operators).
         """
         if task is not None and task not in self.tasks:
             raise UnknownTask(f"{self.file.path}: no task {task!r} (tasks: {', '.join(self.tasks) or 'none'})")
         if task is None and self.file.masks is not None:
             task = self.file.masks.default_task
         self.task = task
-        if skill is ...:
-            self._apply_expert_masks()
-        else:
-            skill = None if skill == "none" else skill
-            if skill != self.weights.skill:
-                self._check_skill(skill)
-                self.weights = Weights(self.file, skill, reference_kernels=self._reference)
-                self._prepare()
+        if blend is not None:
+            if skill not in (..., None, "none"):
+                raise ValueError("give a skill or a blend, not both")
+            if isinstance(blend, str):
+                if blend != "auto":
+                    from .routing import parse_blend
+
+                    blend = parse_blend(blend)
+            if blend == "auto":
+                self._auto = "blend"
             else:
-                self._apply_expert_masks()
+                from .routing import normalize_blend
+
+                self._auto = None
+                self._switch(None, normalize_blend(blend, self.skills))  # type: ignore[arg-type]
+        elif skill is not ...:
+            self._check_skill(skill)
+            if skill == "auto":
+                self._auto = "skill"
+            else:
+                self._auto = None
+                self._switch(None if skill == "none" else skill, None)
+        self._apply_expert_masks()
+        if self._auto and route_prompt is not None:
+            return self.route_select(route_prompt)
+        return None
+
+    def _make_block(self, lp, weights: Weights | None = None) -> Block:
+        """The executable layer of LayerPlan ``lp`` over ``weights`` (default: the current ones)."""
+        return Block(lp, weights or self.weights, self.plan.gemma_norm, self.plan.eps)
+
+    def _switch(self, skill: str | None, blend: "Mapping[str | None, float] | None") -> None:
+        """Point the weights at a skill/blend and re-prepare only what reads a changed tensor."""
+        changed = self.weights.configure(skill, blend)
+        if not changed:
+            return
+        plan = self.plan
+        rebuilt = 0
+        for i, lp in enumerate(plan.layers):
+            if _plan_names(lp) & changed:
+                old = self._blocks[i]
+                self._blocks[i] = self._make_block(lp)
+                if isinstance(old.ffn, MoeFfn) and isinstance(self._blocks[i].ffn, MoeFfn):
+                    self._blocks[i].ffn.counts = old.ffn.counts  # statistics survive a switch
+                rebuilt += 1
+        if plan.final_norm in changed:
+            self._final_norm = self._norm(plan.final_norm)
+        if plan.lm_head in changed:
+            self._lm_head = self.weights.linear(plan.lm_head)
+        if plan.mtp is not None:
+            self._mtp = None  # rebuilt on first use over the new sources
+        log.debug("selection skill=%s blend=%s: %d tensors changed, %d of %d layers re-prepared",
+                  self.weights.skill, self.weights.blend, len(changed), rebuilt, len(plan.layers))
+
+    # -- routing (spec §9: recon-argmin) -------------------------------------------------------------
+    def subspaces(self) -> list:
+        """The routable skills' decoded selections (routing.Subspace), in registry order."""
+        from .routing import Subspace
+
+        return [Subspace.from_record(s.id, s.selection, self.plan.hidden, len(self.plan.layers))
+                for s in self.file.skills if s.selection is not None]
+
+    def residual(self, ids: np.ndarray | list[int], layer: int) -> np.ndarray:
+        """The backbone's residual stream after layer ``layer`` (inclusive, no final norm) for
+        ``ids`` from a fresh state: [T, hidden]. Layers the active skill or blend replaces run
+        with backbone operators built for the call, so φ never depends on the selection."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("routing needs at least one prompt token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.plan.vocab:
+            raise ValueError(f"token id out of range [0, {self.plan.vocab})")
+        w = self.weights
+        changed = set().union(*(w.replaced(s) for s in ([w.skill] if w.blend is None else list(w.blend))))
+        if changed and self._bb_weights is None:
+            self._bb_weights = Weights(self.file, reference_kernels=self._reference)
+        blocks = []
+        for lp, b in zip(self.plan.layers[:layer + 1], self._blocks):
+            if _plan_names(lp) & changed:
+                b = self._make_block(lp, self._bb_weights)
+            blocks.append(b)
+        src = self._bb_weights if changed else w
+        states = [b.new_state() for b in blocks]
+        outs = []
+        for s0 in range(0, ids.size, self.batch_size):
+            chunk = ids[s0:s0 + self.batch_size]
+            x = src.rows(self.plan.embed, chunk)
+            if self.plan.embed_multiplier != 1.0:
+                x *= np.float32(self.plan.embed_multiplier)
+            for b, st in zip(blocks, states):
+                x = b(x, st, s0)
+            outs.append(x)
+        return np.concatenate(outs)
+
+    def route(self, prompt: Any, *, max_tokens: int | None = None):
+        """Score ``prompt`` (text, chat messages or token ids) against every routable skill:
+        routing.Route with E per skill, the winner (None when no skill is routable)."""
+        from .routing import Route, recon_error, routing_ids
+
+        ids = routing_ids(self.tokenizer, prompt)
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        subs = self.subspaces()
+        scores: dict[str, float] = {}
+        phis: dict[int, np.ndarray] = {}
+        for sub in subs:
+            if sub.phi_layer not in phis:
+                phis[sub.phi_layer] = self.residual(ids, sub.phi_layer).astype(np.float64).mean(axis=0)
+            scores[sub.skill] = recon_error(phis[sub.phi_layer], sub)
+        ranked = dict(sorted(scores.items(), key=lambda kv: kv[1]))
+        return Route(ranked, next(iter(ranked), None), len(ids))
+
+    def route_select(self, prompt: Any):
+        """Route ``prompt`` under the active "auto" mode and switch to the result; returns the Route."""
+        from .routing import BLEND_ROUTE_TOKENS, auto_blend
+
+        if self._auto == "blend":
+            r = self.route(prompt, max_tokens=BLEND_ROUTE_TOKENS)
+            r.blend = auto_blend(r.scores)
+            self._switch(None, r.blend or None)
+        else:
+            r = self.route(prompt)
+            self._switch(r.winner, None)
+        self._apply_expert_masks()
+        self.last_route = r
+        log.info("routed %d prompt tokens: %s", r.tokens, r.blend if r.blend is not None else r.winner or "backbone")
+        return r
 
     @property
     def has_mtp(self) -> bool:
@@ -246,14 +391,22 @@ class Model:
 
     # -- generation ------------------------------------------------------------------------------
     def stream(self, prompt, **kwargs):
-        """Yield GenerationResponse deltas (see cmf.runtime.generate.stream_generate)."""
+        """Yield GenerationResponse deltas (see cmf.runtime.generate.stream_generate). Under an
+        "auto" skill or blend the prompt is routed first."""
         from .generate import stream_generate
+
+        if self._auto:
+            self.route_select(prompt)
 
         return stream_generate(self, prompt, **kwargs)
 
     def generate(self, prompt, **kwargs) -> str:
-        """Generate and return the text (see cmf.runtime.generate.generate)."""
+        """Generate and return the text (see cmf.runtime.generate.generate). Under an "auto"
+        skill or blend the prompt is routed first."""
         from .generate import generate
+
+        if self._auto:
+            self.route_select(prompt)
 
         return generate(self, prompt, **kwargs)
 
@@ -270,8 +423,10 @@ class Model:
 def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None = None,
          threads: int | None = None, ctx_size: int | None = None, reference_kernels: bool = False,
          batch_size: int = 512, moe_mask: "str | os.PathLike | dict | None" = None,
-         moe_mask_cover: float | None = None) -> Model:
+         moe_mask_cover: float | None = None, blend: "Mapping[str, float] | str | None" = None) -> Model:
     """Open a .cmf (or any shard of a set) and build a runnable Model.
+
+    ``skill``: an id, "none" or "auto"; ``blend``: {id: weight} or "auto" (see :meth:`Model.select`).
 
     ``moe_mask`` (route statistics, a path or ``{layer: [counts]}``) restricts each MoE layer to
     the smallest top expert set holding ``moe_mask_cover`` (default 0.95) of the recorded routing
@@ -291,10 +446,25 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
     file = cmf_open(Path(path))
     try:
         return Model(file, skill=skill, task=task, ctx_size=ctx_size, reference_kernels=reference_kernels,
-                     batch_size=batch_size, moe_mask=moe_mask, moe_mask_cover=moe_mask_cover)
+                     batch_size=batch_size, moe_mask=moe_mask, moe_mask_cover=moe_mask_cover, blend=blend)
     except BaseException:
         file.close()
         raise
+
+
+def _plan_names(obj: Any) -> set[str]:
+    """Every string a (nested) plan dataclass holds: the tensor names one layer reads."""
+    out: set[str] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            out.add(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif hasattr(o, "__dataclass_fields__"):
+            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+    return out
 
 
 DEFAULT_MOE_COVER = 0.95  # moe-defrag's default cover (REFERENCE_NOTES §2)
