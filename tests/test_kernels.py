@@ -118,7 +118,7 @@ def test_rows_touch_only_their_tiles(model) -> None:
 def test_repack_is_no_larger_than_the_payload(model) -> None:
     for name in ("q4_block", "q4_tiled", "q4tp", "q2tp"):
         op = prepare_fused(model.tensor(f"{name}.big"))
-        repacked = op.planes.nbytes + op.sc.nbytes + op.cpl.nbytes
+        repacked = op.planes.nbytes + op.sc.nbytes + op.cw.nbytes
         assert repacked <= op.nbytes, name
 
 

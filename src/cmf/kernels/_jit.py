@@ -21,6 +21,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # reassoc lets LLVM vectorize float reductions; no nnan/ninf, so crafted inf/NaN weights give
@@ -140,6 +141,48 @@ def int8_f32(typingctx, b):  # noqa: ANN001
     def codegen(context, builder, signature, args):
         return builder.sitofp(args[0], ir.FloatType())
     return types.float32(types.int8), codegen
+
+
+@intrinsic
+def plane_scales(typingctx, planes, base, t0, powers, s, dead31):  # noqa: ANN001
+    """s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i) for 64 rows, from bit-sliced 5-bit codes.
+
+    ``planes[base + 8p : base + 8p + 8]`` is bit p of the 64 rows' codes (little-endian: bit i
+    = row i). Each 16-row slice of a plane is reinterpreted as a 16-lane mask that selects, per
+    lane, the power or 1 (AVX-512: one mask load and one masked blend per plane): no per-row
+    gather. With ``dead31`` nonzero, rows whose code is 31 (all bits set) get an exact 0.
+    """
+    def codegen(context, builder, signature, args):
+        i1, i16, i32, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        pl = context.make_array(signature.args[0])(context, builder, args[0]).data
+        t0p = context.make_array(signature.args[2])(context, builder, args[2]).data
+        pw = context.make_array(signature.args[3])(context, builder, args[3]).data
+        sp = context.make_array(signature.args[4])(context, builder, args[4]).data
+        vf = ir.VectorType(f32, 16)
+        vm = ir.VectorType(i1, 16)
+        ones = ir.Constant(vf, [1.0] * 16)
+        zeros = ir.Constant(vf, [0.0] * 16)
+        kill = builder.icmp_signed("!=", args[5], ir.Constant(i64, 0))
+        for c in range(4):
+            def vload(ptr, off):
+                p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
+                return builder.load(p, align=4)
+            v = vload(t0p, 16 * c)
+            every = ir.Constant(i16, 0xFFFF)
+            for p in range(5):
+                off = builder.add(args[1], ir.Constant(i64, 8 * p + 2 * c))
+                lo = builder.zext(builder.load(cgutils.gep(builder, pl, off)), i16)
+                hi = builder.zext(builder.load(cgutils.gep(builder, pl, builder.add(off, ir.Constant(i64, 1)))), i16)
+                bits = builder.or_(lo, builder.shl(hi, ir.Constant(i16, 8)))
+                every = builder.and_(every, bits)
+                mask = builder.bitcast(bits, vm)
+                v = builder.fmul(v, builder.select(mask, vload(pw, 64 * p + 16 * c), ones))
+            dead = builder.bitcast(builder.select(kill, every, ir.Constant(i16, 0)), vm)
+            v = builder.select(dead, zeros, v)
+            dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 16 * c)), vf.as_pointer())
+            builder.store(v, dst, align=4)
+        return context.get_dummy_value()
+    return types.void(planes, types.int64, t0, powers, s, types.int64), codegen
 
 
 # ---------------------------------------------------------------------------------------------
