@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from .reference import LinearOp, ReferenceLinear, prepare_reference
 
+
+def set_threads(n: int) -> int:
+    """Threads for the fused kernels and for BLAS (prefill sgemm); returns numba's count."""
+    from ._jit import set_threads as _set
+
+    return _set(n)
+
 _FUSED = None
 
 
@@ -30,4 +37,4 @@ def prepare(tensor, *, reference: bool = False) -> LinearOp:
     return prepare_reference(tensor)
 
 
-__all__ = ["LinearOp", "ReferenceLinear", "prepare", "prepare_reference"]
+__all__ = ["LinearOp", "ReferenceLinear", "prepare", "prepare_reference", "set_threads"]

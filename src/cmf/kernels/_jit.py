@@ -194,6 +194,48 @@ def threads() -> int:
     return numba.get_num_threads()
 
 
+def set_threads(n: int) -> int:
+    """Use ``n`` threads for the kernels (numba) and for BLAS (the batched path's sgemm), as far
+    as each allows; returns numba's thread count. BLAS is set through OpenBLAS's C API when
+    numpy links it (best effort: other BLAS builds keep their own setting)."""
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    fn = _openblas_setter()
+    if fn is not None:
+        fn(n)
+    return n
+
+
+def _openblas_setter():  # noqa: ANN202 - a ctypes function or None
+    global _BLAS_SETTER
+    if _BLAS_SETTER is None:
+        _BLAS_SETTER = False
+        try:
+            import ctypes
+            import glob
+            import os
+
+            libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*"))
+            for path in libs:
+                lib = ctypes.CDLL(path)
+                for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                             "openblas_set_num_threads64_", "openblas_set_num_threads"):
+                    if hasattr(lib, name):
+                        fn = getattr(lib, name)
+                        fn.argtypes = [ctypes.c_int]
+                        fn.restype = None
+                        _BLAS_SETTER = fn
+                        break
+                if _BLAS_SETTER:
+                    break
+        except OSError:  # pragma: no cover - unusual installs
+            pass
+    return _BLAS_SETTER or None
+
+
+_BLAS_SETTER = None
+
+
 def parallel_for(nbytes: int) -> bool:
     """Whether a product over ``nbytes`` of payload is worth a parallel region."""
     return nbytes >= PARALLEL_MIN_BYTES and numba.get_num_threads() > 1
