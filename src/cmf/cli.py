@@ -46,6 +46,14 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
     "route-stats": ("route_stats", "count expert selections per MoE layer over a text (JSON for --route-stats, "
                                    "moe-defrag, CMF_MOE_MASK)"),
+    "mask": ("mask_create", "create a task mask from calibration text, with its held-out quality measured "
+                            "(mask create)"),
+    "moe-mask": ("moe_mask", "write an expert-field task mask keeping, per MoE layer, the experts that cover "
+                             "the routing mass"),
+    "moe-defrag": ("moe_defrag", "drop the experts outside the routing cover per MoE layer into a smaller "
+                                 "standalone file"),
+    "defrag": ("defrag", "bake one task mask's FFN neurons into a smaller standalone file (masked-out neurons "
+                         "removed)"),
 }
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..format.errors import CmfError, NotRunnable
+from ..format.masks import TaskMask
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .blocks import Block, MoeFfn
@@ -116,7 +117,9 @@ class Model:
         """Apply the active task mask (spec §5): FFN neurons, heads and layer gates per layer (see
         runtime/task_masks.py), and the admitted experts per MoE layer: the runtime mask
         (CMF_MOE_MASK) ∧ the task mask's row. Called after every selection change."""
-        mask = self.file.masks.get(self.task) if (self.file.masks is not None and getattr(self, "task", None)) else None
+        mask = getattr(self, "_adhoc_mask", None)
+        if mask is None:
+            mask = self.file.masks.get(self.task) if (self.file.masks is not None and getattr(self, "task", None)) else None
         from .task_masks import apply_task_mask
 
         apply_task_mask(self, mask)
@@ -132,6 +135,15 @@ class Model:
             if allowed is not None and not allowed.any():
                 raise CmfError(f"layer {i}: the expert masks admit no expert")
             b.ffn.allowed = None if allowed is None or allowed.all() else allowed
+
+    def use_mask(self, mask: "TaskMask | None") -> None:
+        """Activate an in-memory task mask that is not (yet) in the file, as ``cmf mask create``
+        does to measure a candidate; None runs unmasked. The next :meth:`select` returns to the
+        file's masks."""
+        self._adhoc_mask = mask
+        self.task = mask.name if mask is not None else None
+        self._mask_applied = self.task  # a candidate being measured: no "unmeasured" warning
+        self._apply_expert_masks()
 
     # -- tasks and skills --------------------------------------------------------------------------
     @property
@@ -178,6 +190,7 @@ class Model:
         Unknown names raise UnknownTask / UnknownSkill. Switching re-prepares only the layers
         whose tensors change (the others keep their prepared operators).
         """
+        self._adhoc_mask = None  # back to the file's masks (see use_mask)
         if task is not None and task not in self.tasks:
             raise UnknownTask(f"{self.file.path}: no task {task!r} (tasks: {', '.join(self.tasks) or 'none'})")
         if task is None and self.file.masks is not None:
