@@ -395,6 +395,16 @@ def _encode(arr: np.ndarray, choice: Choice, bias: float | None) -> tuple[Any, D
     dtype = quant.resolve_dtype(choice.dtype)
     if dtype == Dtype.F32:
         return np.ascontiguousarray(arr, dtype="<f4"), dtype
+    if dtype in (Dtype.F16, Dtype.BF16) and arr.nbytes > _CHUNK:
+        # Element-wise formats: encode in slices into one buffer, so the encoder's whole-tensor
+        # temporaries (about 2x the f32 input) never exist at once.
+        flat = arr.reshape(-1)
+        out = np.empty(flat.size * 2, np.uint8)
+        step = _CHUNK // 4
+        for at in range(0, flat.size, step):
+            part = quant.encode(flat[at:at + step], dtype)
+            out[2 * at:2 * at + len(part)] = np.frombuffer(part, np.uint8)
+        return out, dtype
     opts = dict(choice.options)
     if bias is not None:
         opts["bias"] = bias
@@ -413,14 +423,32 @@ def _f32_bytes(it: PlanItem) -> int:
     return 4 * int(np.prod(it.shape, dtype=np.int64))
 
 
+# Peak encoder working memory per byte of f32 input, measured with tracemalloc on cmf.quant for
+# tensors up to one row chunk (~16 MB). Most codecs work chunk by chunk, so their extra memory
+# stops growing there; f16/bf16/q1s/q1t temporaries grow with the whole tensor.
+_ENCODE_PEAK = {"f32": 0.0, "f16": 2.0, "bf16": 2.5, "q8_row": 2.3, "q8_2f": 3.3, "q4_block": 2.3,
+                "q4_tiled": 2.3, "q4tp": 7.6, "q2tp": 4.2, "vbit": 8.3, "vbit_ro": 8.3, "q1": 2.1, "q1s": 3.5,
+                "q1t": 15.0}
+_UNCHUNKED = frozenset({"q1s", "q1t"})  # f16/bf16 are sliced in _encode
+_CHUNK = 16 << 20
+
+
+def _cost(it: PlanItem) -> int:
+    """Estimated peak bytes of reading and encoding one tensor: the f32 array plus encoder temporaries."""
+    n = _f32_bytes(it)
+    k = _ENCODE_PEAK.get(it.choice.dtype, 8.0)
+    return int(n + k * (n if it.choice.dtype in _UNCHUNKED else min(n, _CHUNK)))
+
+
 def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], None] | None = None,
             workers: int | None = None) -> ConvertResult:
     """Write the planned file(s) to ``out``; ``progress(n)`` gets the source bytes done so far.
 
     Tensors are read and encoded on ``workers`` threads (default: up to 4, one per core) and
     written in plan order by this thread, so the output does not depend on the thread count.
-    The tensors in flight never hold more than the largest one's f32 size together (or 64 MB):
-    small tensors overlap, the largest runs alone, and peak memory stays near one tensor.
+    Tensors run concurrently only while their estimated working memory (:func:`_cost`) together
+    stays within the costliest single tensor's: small tensors overlap, the largest runs alone,
+    and the peak is that of converting one tensor at a time.
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -436,8 +464,7 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
     biases: dict[str, float] = {}
     done_families: set[tuple[str, str]] = set()
     n_workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-    cap = max((_f32_bytes(i) for i in plan.items), default=0)
-    cap = max(cap, 64 << 20)
+    cap = max((_cost(i) for i in plan.items), default=0)
     try:
         with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes) as w, \
                 ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cmf-convert") as pool:
@@ -450,7 +477,7 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
                 payload, dtype = fut.result()
                 entry = w.add(it.name, dtype, it.shape, payload)
                 it.out_bytes, it.out_exact = entry.nbytes, True
-                in_flight -= _f32_bytes(it)
+                in_flight -= _cost(it)
                 if progress is not None:
                     progress(it.source_bytes)
 
@@ -460,10 +487,10 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
                     if key in fam_members and key not in done_families:
                         biases.update(_vbit_biases(plan, fam_members[key]))
                         done_families.add(key)
-                    while pending and (len(pending) >= 2 * n_workers or in_flight + _f32_bytes(it) > cap):
+                    while pending and (len(pending) >= 2 * n_workers or in_flight + _cost(it) > cap):
                         drain_one()
                     pending.append((it, pool.submit(_produce, plan, it, biases.get(it.name))))
-                    in_flight += _f32_bytes(it)
+                    in_flight += _cost(it)
                 while pending:
                     drain_one()
             except BaseException:
