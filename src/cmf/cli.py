@@ -46,6 +46,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
     "route-stats": ("route_stats", "count expert selections per MoE layer over a text (JSON for --route-stats, "
                                    "moe-defrag, CMF_MOE_MASK)"),
+    "skill": ("skill", "graft, list, remove, export and apply skills (replacement tensors + routing subspace)"),
+    "route": ("route", "routing error E per skill for a prompt, and the skill --skill auto would run"),
+    "explain": ("explain", "routing plus the first-token distribution under each skill candidate"),
     "mask": ("mask_create", "create a task mask from calibration text, with its held-out quality measured "
                             "(mask create)"),
     "moe-mask": ("moe_mask", "write an expert-field task mask keeping, per MoE layer, the experts that cover "

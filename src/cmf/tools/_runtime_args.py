@@ -17,7 +17,11 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads for the kernels")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill chunk size in tokens")
-    p.add_argument("--skill", default=None, help="run with a skill's replacement tensors (id)")
+    p.add_argument("--skill", default=None, metavar="ID|none|auto",
+                   help="run with a skill's replacement tensors; auto: route the prompt (recon-argmin)")
+    p.add_argument("--blend", default=None, metavar="auto|ID:W,...",
+                   help="soft blend of skills (weights normalized; none = the backbone); auto: the two "
+                        "best-routed skills, w ~ exp(-E/0.4)")
     p.add_argument("--task", default=None, help="task mask to activate (name)")
     if sampling:
         p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")
@@ -82,8 +86,17 @@ def load_model(args: argparse.Namespace):
     when the process exits (spec §11.1)."""
     from ..runtime.model import load
 
+    blend = getattr(args, "blend", None)
+    if blend is not None:
+        from ..runtime.routing import parse_blend
+
+        if args.skill not in (None, "none"):
+            from ..format.errors import CmfError
+
+            raise CmfError("give --skill or --blend, not both")
+        blend = parse_blend(blend)
     model = load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
-                 ctx_size=args.ctx_size, batch_size=args.batch_size)
+                 ctx_size=args.ctx_size, batch_size=args.batch_size, blend=blend)
     path = os.environ.get("CMF_MOE_STATS")
     if path and model.moe_layers:
         import atexit

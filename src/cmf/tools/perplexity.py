@@ -46,22 +46,39 @@ def window_nll(model, window: list[int]) -> np.ndarray:
 
 
 def perplexity(model, ids: list[int], window: int, chunks: int | None = None, on_chunk=None) -> dict:
-    """PPL and its standard error over non-overlapping windows."""
+    """PPL and its standard error over non-overlapping windows.
+
+    Under ``--skill auto`` / ``--blend auto`` each window is routed on its first 128 tokens (its
+    "prompt") before it is scored; ``routes`` then counts the selections.
+    """
     n_win = len(ids) // window
     if chunks is not None:
         n_win = min(n_win, chunks)
     if n_win == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
     nll: list[float] = []
+    routes: dict[str, int] = {}
+    auto = getattr(model, "auto", None)
     for i in range(n_win):
-        nll.extend(window_nll(model, ids[i * window:(i + 1) * window]).tolist())
+        win = ids[i * window:(i + 1) * window]
+        if auto:
+            from ..runtime.routing import BLEND_ROUTE_TOKENS
+
+            r = model.route_select(win[:BLEND_ROUTE_TOKENS])
+            key = (",".join(f"{k}:{w:.2f}" for k, w in r.blend.items()) if r.blend else "none") \
+                if auto == "blend" else (r.winner or "none")
+            routes[key] = routes.get(key, 0) + 1
+        nll.extend(window_nll(model, win).tolist())
         if on_chunk:
             on_chunk(i, math.exp(float(np.mean(nll))))
     arr = np.asarray(nll)
     mean = float(arr.mean())
     ppl = math.exp(mean)
     err = ppl * float(arr.std(ddof=1) / math.sqrt(arr.size)) if arr.size > 1 else 0.0
-    return {"ppl": ppl, "stderr": err, "tokens": int(arr.size), "windows": n_win, "window": window}
+    out = {"ppl": ppl, "stderr": err, "tokens": int(arr.size), "windows": n_win, "window": window}
+    if auto:
+        out["routes"] = routes
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,4 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
     else:
         print(f"\nFinal estimate: PPL = {res['ppl']:.4f} +/- {res['stderr']:.5f}")
+        if "routes" in res:
+            from . import sanitize
+
+            print("routed windows: " + ", ".join(f"{sanitize(k)} {n}" for k, n in sorted(res["routes"].items())))
     return 0
