@@ -275,9 +275,9 @@ def run(args: argparse.Namespace) -> int:
         print_json(rep)
         return 0
     q = rep["quality"]
-    quality = "unmeasured" if q is None else (f"heldout_ppl_ratio={q['value']:.4f} "
-                                             f"(ppl {q['value'] * q['baseline_dense']:.4f} vs {q['baseline_dense']:.4f} "
-                                             f"unmasked, {q['n_samples']} tokens)")
+    quality = "unmeasured" if q is None else (
+        f"heldout_ppl_ratio={q['value']:.4f} (ppl {q['value'] * q['baseline_dense']:.4f} vs "
+        f"{q['baseline_dense']:.4f} unmasked, {q['n_samples']} tokens)")
     print(sanitize(f"mask {rep['name']!r} (task {rep['task_id']}) -> {rep['output']}: sparsity "
                    f"{rep['sparsity']:.3f}, quality {quality}, layers {fmt_ranges(rep['layers'])}"))
     if rep["default_task"] != rep["name"]:
