@@ -131,11 +131,12 @@ def run_level(host: str, port: int, clients: int, per_client: int, texts: list[s
     wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     tokens = sum(r[2] for r in results)
+    short = sum(1 for r in results if r[2] < max_tokens)  # answers cut before max_tokens
 
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
-    return {"clients": clients, "requests": len(results), "errors": len(errors), "wall": wall,
+    return {"clients": clients, "requests": len(results), "errors": len(errors), "short": short, "wall": wall,
             "rps": len(results) / wall, "tps": tokens / wall, "ttft_p50": pct(ttfts, 0.5),
             "ttft_p99": pct(ttfts, 0.99), "latency_p50": statistics.median(r[1] for r in results) if results else 0,
             "engine_tps": statistics.median(r[3] for r in results) if results else 0}
@@ -149,7 +150,9 @@ def start_llama_server(gguf: Path, ctx: int) -> tuple[subprocess.Popen, str, int
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(ctx), "--n_threads", str(os.cpu_count() or 1), "--model_alias", "bench"]
+           "--n_ctx", str(ctx), "--n_threads", str(os.cpu_count() or 1), "--model_alias", "bench",
+           # its default lets each new request cut the running one short; queue them instead, as cmf does
+           "--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -172,7 +175,7 @@ def run_all(host: str, port: int, levels: list[int], args: argparse.Namespace, t
     for c in levels:
         r = run_level(host, port, c, args.requests, texts, args.max_tokens)
         print(json.dumps(r), file=sys.stderr)
-        rows.append([c, r["requests"], r["errors"], f"{r['rps']:.2f}", f"{r['tps']:.1f}",
+        rows.append([c, r["requests"], f"{r['errors']} / {r['short']}", f"{r['rps']:.2f}", f"{r['tps']:.1f}",
                      f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
                      f"{r['latency_p50'] * 1e3:.0f}", f"{r['engine_tps']:.0f}" if r["engine_tps"] else ""])
     return rows
@@ -268,7 +271,7 @@ def main() -> None:
             llama = f"not run: {exc}"
         load_after = os.getloadavg()[0]
     numba_threads = os.environ.get("NUMBA_NUM_THREADS", "all cores")
-    headers = ["clients", "requests", "errors", "requests/s", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+    headers = ["clients", "requests", "errors / short", "requests/s", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
                "latency p50 (ms)", "engine t/s"]
     text = (f"Run {datetime.date.today()} on {machine()} (`benchmarks/server.py --clients {args.clients} "
             f"--requests {args.requests} --max-tokens {args.max_tokens}`); model: ../shared/models/base "
@@ -276,7 +279,8 @@ def main() -> None:
             "share the machine. Streaming chat, greedy, end-of-sequence suppressed by logit_bias, every answer "
             f"{args.max_tokens} tokens; TTFT = first content chunk as the client sees it (queueing included); "
             "engine t/s = the decode rate the engine itself reports for each request (median), which "
-            "separates HTTP overhead from compute. Load average (1 min) before/after: "
+            "separates HTTP overhead from compute; short = answers that ended before max_tokens. "
+            "Load average (1 min) before/after: "
             f"{load_before:.2f} / {load_after:.2f}.\n\n"
             f"Runtime alone, one sequence, no HTTP: **{ref:.1f} tokens/s** decode (median of 5).\n\n"
             "### cmf serve\n\n" + table(headers, rows)
