@@ -175,3 +175,21 @@ def test_f16_conversion_is_exact_for_every_pattern() -> None:
         convert(bits, got, soft)
         same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
         assert same.all(), np.flatnonzero(~same)[:5]
+
+
+def test_vbit_every_width(tmp_path) -> None:
+    from _builders import vbit_payload
+
+    widths = [3, 4, 5, 6, 8, 8, 6, 5, 4, 3, 4, 4]
+    path = tmp_path / "vbit.cmf"
+    with CmfWriter(path, header()) as wr:
+        wr.add("a", "vbit", (12, 96), vbit_payload(12, 96, widths, seed=1))
+        wr.add("b", "vbit_ro", (12, 96), vbit_payload(12, 96, widths, seed=2, ro=True))
+    with cmf_open(path) as f:
+        for name in ("a", "b"):
+            t = f.tensor(name)
+            w = ReferenceLinear(t).dense().astype(np.float64)
+            X = np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32)
+            op = prepare_fused(t)
+            _close(op(X), X @ w.T)
+            _close(op.rows([11, 0, 4], X[0]), X[0] @ w[[11, 0, 4]].T)

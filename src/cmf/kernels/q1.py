@@ -1,10 +1,11 @@
 """Fused kernels for ``q1``, ``q1s`` and ``q1t``.
 
-q1: a group is ``[f16 s][4 B sign bits]``; each sign byte selects a row of ±1 from an 8-wide
-table (8 KB, stays in L1), so a byte costs one 8-lane multiply-add. q1s adds its sparse f16
+q1: a group is ``[f16 s][4 B sign bits]``; the 32 bits become a lane mask selecting x
+(``_ir.q1_dot``: ``Σ s·(2·bit - 1)·x = s·(2·Σ_{bit} x - Σx)``). q1s adds its sparse f16
 overlay afterwards: an outlier replaces the base value, so its row gains ``(v - base)·x[c]``.
-q1t: a group is ``[f16 s][7 B base-3]``, five ternary digits per byte through a 256×5 table of
-{0, +1, -1}; its per-row overlay entries are added to the base, as the codec does.
+q1t: a group is ``[f16 s][7 B base-3]``; two 256-entry tables give each byte's +1 and -1 digits
+as bit masks, assembled into two 32-lane masks per group (``_ir.q1t_dot``); its per-row overlay
+entries are added to the base, as the codec does.
 
 Overlay entries are read in place (q1s: 6-byte ``[u32 flat index][f16]``, q1t: 4-byte
 ``[u16 column][f16]``); only the per-row entry ranges (one int64 per row) are computed at
@@ -20,54 +21,32 @@ from numba import prange
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
-from ..quant.q1 import SIGN_LUT, TERNARY_LUT
+from ..quant.q1 import TERNARY_LUT
 from ._base import FusedLinear
-from ._jit import PARALLEL, SERIAL, f16_at, threads
+from ._ir import q1_dot, q1t_dot
+from ._jit import PARALLEL, SERIAL, f16_at, scratch, threads
+from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
+# code byte -> 5-bit masks of its +1 digits (row 0) and -1 digits (row 1), from the codec's table
+TERNARY_MASKS = np.stack([((TERNARY_LUT == v) * (1 << np.arange(5))).sum(axis=1) for v in (1.0, -1.0)]).astype(np.uint8)
 
 
 @numba.njit(**SERIAL)
-def _q1_row(tiles, r, x, lut):  # pragma: no cover - compiled
-    acc = np.float32(0)
-    for g in range(tiles.shape[1]):
-        tg = tiles[r, g]
-        xg = x[g * GROUP:(g + 1) * GROUP]
-        d = np.float32(0)
-        for j in range(4):
-            sign = lut[tg[2 + j]]
-            for m in range(8):
-                d += sign[m] * xg[8 * j + m]
-        acc += d * f16_at(tg, 0)
-    return acc
-
-
-@numba.njit(**SERIAL)
-def _q1t_row(tiles, r, x, lut):  # pragma: no cover - compiled
-    acc = np.float32(0)
-    for g in range(tiles.shape[1]):
-        tg = tiles[r, g]
-        xg = x[g * GROUP:(g + 1) * GROUP]
-        d = np.float32(0)
-        for j in range(6):
-            digits = lut[tg[2 + j]]
-            for m in range(5):
-                d += digits[m] * xg[5 * j + m]
-        last = lut[tg[8]]  # byte 6 holds weights 30 and 31 only
-        d += last[0] * xg[30] + last[1] * xg[31]
-        acc += d * f16_at(tg, 0)
-    return acc
-
-
-@numba.njit(**SERIAL)
-def q1_rows(kind, tiles, lut, ptr, ent, X, Y, rows, i0, i1):  # pragma: no cover - compiled
-    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); ``ptr``/``ent`` describe the overlay."""
+def q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); ``ptr``/``ent`` describe the overlay,
+    ``xs[t, g]`` = Σ of X[t] over group g (q1/q1s)."""
     T, n = X.shape
+    gpr = tiles.shape[1]
+    tflat = tiles.reshape(-1)
     for i in range(i0, i1):
         r = rows[i]
         for t in range(T):
             x = X[t]
-            acc = _q1t_row(tiles, r, x, lut) if kind == Q1T else _q1_row(tiles, r, x, lut)
+            if kind == Q1T:
+                acc = q1t_dot(tflat, r * gpr * 9, gpr, x, lut[0], lut[1])
+            else:
+                acc = q1_dot(tflat, r * gpr * 6, gpr, x, xs[t])
             for e in range(ptr[r], ptr[r + 1]):
                 if kind == Q1T:
                     p = 4 * e
@@ -87,12 +66,12 @@ def q1_rows(kind, tiles, lut, ptr, ent, X, Y, rows, i0, i1):  # pragma: no cover
 
 
 @numba.njit(**PARALLEL)
-def q1_rows_par(kind, tiles, lut, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
+def q1_rows_par(kind, tiles, lut, ptr, ent, X, xs, Y, rows, nt):  # pragma: no cover - compiled
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
-        q1_rows(kind, tiles, lut, ptr, ent, X, Y, rows, i0, min(n, i0 + step))
+        q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, min(n, i0 + step))
 
 
 def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -123,12 +102,12 @@ class Q1Linear(FusedLinear):
         self.kind = int(tensor.dtype)
         if self.kind == Q1T:
             self.tiles = data[:9 * rows * gpr].reshape(rows, gpr, 9)
-            self.lut = TERNARY_LUT
+            self.lut = TERNARY_MASKS
             self.ptr = q1t_row_ptr(data, tensor.shape, tensor.name)
             self.ent = data[9 * rows * gpr + 4 * (rows + 1):]
         else:
             self.tiles = data[:6 * rows * gpr].reshape(rows, gpr, 6)
-            self.lut = SIGN_LUT
+            self.lut = TERNARY_MASKS  # unused by q1/q1s
             if self.kind == Q1S:
                 self.ptr, self.ent = _q1s_overlay(data, (rows, cols), tensor.name)
             else:
@@ -140,7 +119,9 @@ class Q1Linear(FusedLinear):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
-        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, Y, rows)
+        xs = scratch("q1-xs", (X.shape[0], self.in_features // GROUP))
+        group_sums(X, xs)
+        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, xs, Y, rows)
         if par:
             q1_rows_par(*args, threads())
         else:

@@ -2,10 +2,10 @@
 
 Each row has one width b; ``w = (u - L)·s`` with ``L = 2^(b-1) - 1`` and an f16 scale per
 32-group, so a group contributes ``s·(Σ u·x - L·Σx)`` with ``Σx`` per group computed once per
-call. Widths 8 and 4 read whole bytes / nibbles in vectorized loops (4-bit codes are MSB-first:
-the high nibble is the even weight); widths 3, 5 and 6 unpack 8 codes from ``b`` bytes at a time
-as one big-endian integer. Row starts come from the validated layout (vbit: prefix sums of the
-row widths, vbit_ro: its offset table), kept as one int64 per row.
+call. The per-row loop is an LLVM IR kernel per width (``_ir.vbit_dot{3,4,5,6,8}``: 16 codes
+unpacked at a time by constant byte shuffles and per-lane shifts). Row starts come from the
+validated layout (vbit: prefix sums of the row widths, vbit_ro: its offset table), kept as one
+int64 per row.
 """
 
 from __future__ import annotations
@@ -17,82 +17,55 @@ from numba import prange
 from ..format.constants import GROUP
 from ..format.dtypes import vbit_layout
 from ._base import FusedLinear
-from ._jit import PARALLEL, SERIAL, byte_f32, f16_at, hi_nibble, lo_nibble, scratch, threads
+from ._ir import vbit_dot3, vbit_dot4, vbit_dot5, vbit_dot6, vbit_dot8
+from ._jit import PARALLEL, SERIAL, scratch, threads
 
 
 @numba.njit(**SERIAL)
-def vbit_rows(data, widths, starts, soff, X, xe, xo, xs, Y, rows, i0, i1):  # pragma: no cover
-    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1)."""
+def vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); one IR row kernel per width."""
     T, n = X.shape
     gpr = n // GROUP
     for i in range(i0, i1):
         r = rows[i]
-        b = np.int64(widths[r])
-        level = np.float32((1 << (b - 1)) - 1)
-        mask = np.int64((1 << b) - 1)
+        b = widths[r]
+        level = np.float32((1 << (np.int64(b) - 1)) - 1)
         pos = starts[r]
         sbase = soff + 2 * r * gpr
         for t in range(T):
-            acc = np.float32(0)
-            # slices (not offset arithmetic) give LLVM indices it can prove non-negative,
-            # which it needs before it vectorizes a loop
-            if b == 8:
-                for g in range(gpr):
-                    seg = data[pos + g * GROUP:pos + (g + 1) * GROUP]
-                    xg = X[t, g * GROUP:(g + 1) * GROUP]
-                    d = np.float32(0)
-                    for k in range(GROUP):
-                        d += byte_f32(seg[k]) * xg[k]
-                    acc += (d - level * xs[t, g]) * f16_at(data, sbase + 2 * g)
-            elif b == 4:
-                for g in range(gpr):
-                    seg = data[pos + g * 16:pos + (g + 1) * 16]
-                    eg = xe[t, g * 16:(g + 1) * 16]
-                    og = xo[t, g * 16:(g + 1) * 16]
-                    d = np.float32(0)
-                    for k in range(16):
-                        v = seg[k]
-                        d += hi_nibble(v) * eg[k]
-                        d += lo_nibble(v) * og[k]
-                    acc += (d - level * xs[t, g]) * f16_at(data, sbase + 2 * g)
+            x = X[t]
+            z = xs[t]
+            if b == 4:
+                acc = vbit_dot4(data, pos, sbase, gpr, x, z, level)
+            elif b == 5:
+                acc = vbit_dot5(data, pos, sbase, gpr, x, z, level)
+            elif b == 3:
+                acc = vbit_dot3(data, pos, sbase, gpr, x, z, level)
+            elif b == 6:
+                acc = vbit_dot6(data, pos, sbase, gpr, x, z, level)
             else:
-                for g in range(gpr):
-                    seg = data[pos + g * 4 * b:pos + (g + 1) * 4 * b]
-                    xg = X[t, g * GROUP:(g + 1) * GROUP]
-                    d = np.float32(0)
-                    for j in range(4):  # 8 codes = b bytes, big-endian bit order
-                        word = np.int64(0)
-                        for q in range(b):
-                            word = (word << 8) | np.int64(seg[j * b + q])
-                        for m in range(8):
-                            u = (word >> (b * (7 - m))) & mask
-                            d += np.float32(u) * xg[8 * j + m]
-                    acc += (d - level * xs[t, g]) * f16_at(data, sbase + 2 * g)
+                acc = vbit_dot8(data, pos, sbase, gpr, x, z, level)
             Y[t, i] = acc
 
 
 @numba.njit(**PARALLEL)
-def vbit_rows_par(data, widths, starts, soff, X, xe, xo, xs, Y, rows, nt):  # pragma: no cover
+def vbit_rows_par(data, widths, starts, soff, X, xs, Y, rows, nt):  # pragma: no cover
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
-        vbit_rows(data, widths, starts, soff, X, xe, xo, xs, Y, rows, i0, min(n, i0 + step))
+        vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, min(n, i0 + step))
 
 
 @numba.njit(**SERIAL)
-def split_even_odd(X, xe, xo, xs):  # pragma: no cover - compiled
-    """xe/xo: even/odd features of X; xs[t, g] = Σ of group g."""
+def group_sums(X, xs):  # pragma: no cover - compiled
+    """xs[t, g] = Σ of X[t] over group g."""
     T, n = X.shape
     for t in range(T):
         for g in range(n // GROUP):
             tot = np.float32(0)
-            for k in range(16):
-                a = X[t, g * GROUP + 2 * k]
-                b = X[t, g * GROUP + 2 * k + 1]
-                xe[t, g * 16 + k] = a
-                xo[t, g * 16 + k] = b
-                tot += a + b
+            for k in range(GROUP):
+                tot += X[t, g * GROUP + k]
             xs[t, g] = tot
 
 
@@ -117,11 +90,9 @@ class VbitLinear(FusedLinear):
 
     def _matmul_rows(self, rows, X, Y, par):
         T, n = X.shape
-        xe = scratch("vbit-xe", (T, n // 2))
-        xo = scratch("vbit-xo", (T, n // 2))
         xs = scratch("vbit-xs", (T, n // GROUP))
-        split_even_odd(X, xe, xo, xs)
-        args = (self.data, self.widths, self.starts, self.soff, X, xe, xo, xs, Y, rows)
+        group_sums(X, xs)
+        args = (self.data, self.widths, self.starts, self.soff, X, xs, Y, rows)
         if par:
             vbit_rows_par(*args, threads())
         else:
