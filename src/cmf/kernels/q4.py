@@ -48,7 +48,9 @@ def _code(cs, row, g):  # pragma: no cover - compiled
 
 @numba.njit(**SERIAL)
 def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - compiled
-    """Copy tile t from the stored layout: planes, then f16 scale bits or the codes."""
+    """Copy tile t from the stored layout: planes, then f16 scale bits or the codes (bit planes).
+
+    Only final values are stored, so packing the same tile twice at once is harmless."""
     gpr = planes.shape[1]
     width = planes.shape[2]
     for i in range(R):
@@ -62,17 +64,22 @@ def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - com
             for g in range(gpr):
                 sc[t, g, i] = np.uint16(scs[row, g, 0]) | (np.uint16(scs[row, g, 1]) << np.uint16(8))
         return
+    codes = np.empty(R, np.int64)
     for g in range(gpr):
-        base = (t * gpr + g) * CODE_BYTES
-        for q in range(CODE_BYTES):
-            cw[base + q] = 0
         for i in range(R):
             c = _code(cs, t * R + i, g)
             if kind == KIND_Q2TP:  # store rung - 1; 31 (never a live rung - 1) marks a dead group
                 c = c - 1 if c > 0 else 31
-            for p in range(5):
-                if (c >> p) & 1:
-                    cw[base + 8 * p + (i >> 3)] |= np.uint8(1 << (i & 7))
+            codes[i] = c
+        base = (t * gpr + g) * CODE_BYTES
+        for p in range(5):
+            for j in range(R // 8):
+                v = 0
+                for m in range(8):
+                    v |= ((codes[8 * j + m] >> p) & 1) << m
+                # each byte is written once with its final value: a second thread packing the
+                # same tile concurrently (two Python threads, same op) rewrites identical bytes
+                cw[base + 8 * p + j] = np.uint8(v)
 
 
 @numba.njit(**SERIAL)
