@@ -53,11 +53,12 @@ def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - com
     Only final values are stored, so packing the same tile twice at once is harmless."""
     gpr = planes.shape[1]
     width = planes.shape[2]
+    off = src.shape[2] - width  # q4_tiled records: [f16 scale][16 B], the nibbles at byte 2
     for i in range(R):
         row = t * R + i
         for g in range(gpr):
             for k in range(width):
-                planes[t, g, k, i] = src[row, g, k]
+                planes[t, g, k, i] = src[row, g, off + k]
     if kind == KIND_F16:
         for i in range(R):
             row = t * R + i
@@ -216,7 +217,8 @@ def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
 def decode_rows(rows, kind, src, scs, cs, params, exp2tab, out):  # pragma: no cover - compiled
     """Rows from the stored layout (exactly the codec's values): tails and batched row picks."""
     gpr = src.shape[1]
-    width = src.shape[2]
+    width = 8 if kind == KIND_Q2TP else 16
+    off = src.shape[2] - width
     per = GROUP // width  # weights per byte: 2 (nibbles) or 4 (crumbs)
     lad = np.empty(33, np.float32)
     for i in range(rows.shape[0]):
@@ -236,7 +238,7 @@ def decode_rows(rows, kind, src, scs, cs, params, exp2tab, out):  # pragma: no c
                 s = lad[_code(cs, row, g)]
             base = g * GROUP
             for k in range(width):
-                b = src[row, g, k]
+                b = src[row, g, off + k]
                 if per == 2:
                     out[i, base + 2 * k] = (lo_nibble(b) - np.float32(8)) * s
                     out[i, base + 2 * k + 1] = (hi_nibble(b) - np.float32(8)) * s
@@ -295,6 +297,12 @@ def tiles_dequant_t_par(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, sr
                             out[:, (a - t0) * R:(b - t0) * R])
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.setflags(write=False)
+    return v
+
+
 def _exp2_table() -> np.ndarray:
     from ..quant.float import _f16_table  # the exp2 every q4tp/q2tp encoder and decoder shares
 
@@ -312,13 +320,17 @@ class TiledLinear(FusedLinear):
         gpr = cols // GROUP
         data = tensor.numpy()
         d = tensor.dtype
-        none8 = np.zeros((0, 0, 0), np.uint8)
-        self.params = np.zeros((0, 2), np.uint16)
-        self.exp2tab = np.zeros(1, np.float32)
-        self.cs = np.zeros((0, 0), np.uint8)
+        # Placeholders are read-only like the mapped payload views, so every dtype runs the same
+        # compiled specialization of each kernel (numba types read-only arrays separately).
+        none8 = _readonly(np.zeros((0, 0, 0), np.uint8))
+        self.params = _readonly(np.zeros((0, 2), np.uint16))
+        self.exp2tab = _readonly(np.zeros(1, np.float32))
+        self.cs = _readonly(np.zeros((0, 0), np.uint8))
+        data = _readonly(data)
         if d == Dtype.Q4_TILED:
             rec = data.reshape(rows, gpr, 18)
-            self.kind, self.src, self.scs = KIND_F16, rec[:, :, 2:], rec[:, :, :2]
+            # whole records (C-contiguous, like every other source here: one compiled variant)
+            self.kind, self.src, self.scs = KIND_F16, rec, rec
         elif d == Dtype.Q4_BLOCK:
             G = rows * gpr
             self.kind = KIND_F16
@@ -333,7 +345,7 @@ class TiledLinear(FusedLinear):
             self.params = data[a:a + 4 * rows].view("<u2").reshape(rows, 2)
             self.cs = data[a + 4 * rows:].reshape(rows, (5 * gpr + 7) // 8)
             self.exp2tab = _exp2_table()
-        self.width = self.src.shape[2]
+        self.width = 8 if self.kind == KIND_Q2TP else 16
         self.phases = GROUP // self.width
         self.zero = np.float32(8 if self.width == 16 else 1.5)
         self.ntiles = rows // R
