@@ -196,6 +196,54 @@ def tiles_par(tiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs,
 
 
 @numba.njit(**SERIAL)
+def _x_parts(X, kind):  # pragma: no cover - compiled
+    """Regrouped x and zero-point sums for one call (see ``split_x``)."""
+    T, n = X.shape
+    phases = 4 if kind == KIND_Q2TP else 2
+    xp = np.empty((T, phases, n // GROUP, GROUP // phases), np.float32)
+    xs = np.empty((T, n // GROUP), np.float32)
+    split_x(X, xp, xs, np.float32(1.5) if kind == KIND_Q2TP else np.float32(8))
+    return xp, xs
+
+
+@numba.njit(**SERIAL)
+def _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y):  # pragma: no cover - compiled
+    """Rows past the last whole tile, decoded from the stored layout one at a time."""
+    T, n = X.shape
+    buf = np.empty((1, n), np.float32)
+    one = np.empty(1, np.int64)
+    for i in range(tail.shape[0]):
+        one[0] = tail[i]
+        decode_rows(one, kind, src, scs, cs, params, exp2tab, buf)
+        for t in range(T):
+            acc = np.float32(0)
+            for k in range(n):
+                acc += buf[0, k] * X[t, k]
+            Y[t, tail[i]] = acc
+
+
+@numba.njit(**SERIAL_ORDERED)
+def matvec(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y):
+    """Y = X @ W.T over whole tiles and the tail rows: one call per product, no Python between."""
+    xp, xs = _x_parts(X, kind)  # pragma: no cover - compiled
+    tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y)
+    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
+
+
+@numba.njit(**PARALLEL_ORDERED)
+def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, nt):
+    """``matvec`` with the tiles split across ``nt`` threads (tail rows after, on one)."""
+    xp, xs = _x_parts(X, kind)  # pragma: no cover - compiled
+    n = tiles.shape[0]
+    step = (n + nt - 1) // nt
+    for c in prange(nt):
+        j0 = min(n, c * step)
+        j1 = min(n, j0 + step)
+        tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y)
+    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
+
+
+@numba.njit(**SERIAL)
 def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
     """Regroup X by a weight's position within its byte; xs[t, g] = zero·Σ of group g.
 
@@ -380,13 +428,10 @@ class TiledLinear(FusedLinear):
             tiles_run(tiles, 0, tiles.size, *self._args(), xp, xs, Y)
 
     def _matmul(self, X, Y, par):
-        if self.ntiles:
-            xp, xs = self._split(X)
-            self._tiles(self.all_tiles, xp, xs, Y, par)
-        if self.tail.size:
-            w = scratch("q4-tail", (self.tail.size, self.in_features))
-            self._decode(self.tail, w)
-            Y[:, self.ntiles * R:] = X @ w.T
+        if par and self.ntiles > 1:
+            matvec_par(X, self.all_tiles, self.tail, *self._args(), Y, threads())
+        else:
+            matvec(X, self.all_tiles, self.tail, *self._args(), Y)
 
     def _matmul_rows(self, rows, X, Y, par):
         tile_of = rows // R
