@@ -24,7 +24,7 @@ from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
 from ..quant.q1 import TERNARY_LUT
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
-from ._jit import PARALLEL, SERIAL, f16_at, scratch, threads
+from ._jit import PARALLEL, SERIAL, f16_at, threads
 from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
@@ -66,12 +66,20 @@ def q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no c
 
 
 @numba.njit(**PARALLEL)
-def q1_rows_par(kind, tiles, lut, ptr, ent, X, xs, Y, rows, nt):  # pragma: no cover - compiled
+def q1_rows_par(kind, tiles, lut, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
+    """q1_rows over one contiguous chunk of ``rows`` per thread (group sums computed first)."""
+    xs = group_sums(X)
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
         q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, min(n, i0 + step))
+
+
+@numba.njit(**SERIAL)
+def q1_rows_all(kind, tiles, lut, ptr, ent, X, Y, rows):  # pragma: no cover - compiled
+    """q1_rows over every given row, in one call."""
+    q1_rows(kind, tiles, lut, ptr, ent, X, group_sums(X), Y, rows, 0, rows.shape[0])
 
 
 def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -119,10 +127,8 @@ class Q1Linear(FusedLinear):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
-        xs = scratch("q1-xs", (X.shape[0], self.in_features // GROUP))
-        group_sums(X, xs)
-        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, xs, Y, rows)
+        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, Y, rows)
         if par:
             q1_rows_par(*args, threads())
         else:
-            q1_rows(*args, 0, rows.size)
+            q1_rows_all(*args)

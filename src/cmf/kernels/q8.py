@@ -54,9 +54,28 @@ def q8_rows(q, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
         i += 1
 
 
+@numba.njit(**SERIAL)
+def _fold(X, col):  # pragma: no cover - compiled
+    """x·col for q8_2f (a copy), X itself for q8_row (empty col)."""
+    if col.shape[0] == 0:
+        return X
+    out = np.empty_like(X)
+    for t in range(X.shape[0]):
+        for k in range(X.shape[1]):
+            out[t, k] = X[t, k] * col[k]
+    return out
+
+
+@numba.njit(**SERIAL)
+def q8_rows_all(q, s, col, X, Y, rows):  # pragma: no cover - compiled
+    """q8_rows over every given row, the column field folded into x first."""
+    q8_rows(q, s, _fold(X, col), Y, rows, 0, rows.shape[0])
+
+
 @numba.njit(**PARALLEL)
-def q8_rows_par(q, s, X, Y, rows, nt):  # pragma: no cover - compiled
+def q8_rows_par(q, s, col, X, Y, rows, nt):  # pragma: no cover - compiled
     """q8_rows over one contiguous chunk of ``rows`` per thread (``nt`` threads)."""
+    X = _fold(X, col)
     n = rows.shape[0]
     step = ((n + nt - 1) // nt + 3) // 4 * 4
     for j in prange(nt):
@@ -109,17 +128,14 @@ class Q8Linear(FusedLinear):
             self.col = np.zeros(0, np.float32)
         self.all_rows = np.arange(rows, dtype=np.int64)
 
-    def _x(self, X: np.ndarray) -> np.ndarray:
-        return X * self.col if self.col.size else X
-
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
         if par:
-            q8_rows_par(self.q, self.s, self._x(X), Y, rows, threads())
+            q8_rows_par(self.q, self.s, self.col, X, Y, rows, threads())
         else:
-            q8_rows(self.q, self.s, self._x(X), Y, rows, 0, rows.size)
+            q8_rows_all(self.q, self.s, self.col, X, Y, rows)
 
     def _dequant(self, r0, r1, out, par):
         self._dequant_rows(self.all_rows[r0:r1], out, par)

@@ -18,7 +18,7 @@ from ..format.constants import GROUP
 from ..format.dtypes import vbit_layout
 from ._base import FusedLinear
 from ._ir import vbit_dot3, vbit_dot4, vbit_dot5, vbit_dot6, vbit_dot8
-from ._jit import PARALLEL, SERIAL, scratch, threads
+from ._jit import PARALLEL, SERIAL, threads
 
 
 @numba.njit(**SERIAL)
@@ -49,7 +49,9 @@ def vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, i1):  # pragma: no
 
 
 @numba.njit(**PARALLEL)
-def vbit_rows_par(data, widths, starts, soff, X, xs, Y, rows, nt):  # pragma: no cover
+def vbit_rows_par(data, widths, starts, soff, X, Y, rows, nt):  # pragma: no cover
+    """vbit_rows over one contiguous chunk of ``rows`` per thread (group sums computed first)."""
+    xs = group_sums(X)
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
@@ -58,15 +60,23 @@ def vbit_rows_par(data, widths, starts, soff, X, xs, Y, rows, nt):  # pragma: no
 
 
 @numba.njit(**SERIAL)
-def group_sums(X, xs):  # pragma: no cover - compiled
+def vbit_rows_all(data, widths, starts, soff, X, Y, rows):  # pragma: no cover - compiled
+    """vbit_rows over every given row, in one call (group sums included)."""
+    vbit_rows(data, widths, starts, soff, X, group_sums(X), Y, rows, 0, rows.shape[0])
+
+
+@numba.njit(**SERIAL)
+def group_sums(X):  # pragma: no cover - compiled
     """xs[t, g] = Σ of X[t] over group g."""
     T, n = X.shape
+    xs = np.empty((T, n // GROUP), np.float32)
     for t in range(T):
         for g in range(n // GROUP):
             tot = np.float32(0)
             for k in range(GROUP):
                 tot += X[t, g * GROUP + k]
             xs[t, g] = tot
+    return xs
 
 
 class VbitLinear(FusedLinear):
@@ -89,11 +99,8 @@ class VbitLinear(FusedLinear):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
-        T, n = X.shape
-        xs = scratch("vbit-xs", (T, n // GROUP))
-        group_sums(X, xs)
-        args = (self.data, self.widths, self.starts, self.soff, X, xs, Y, rows)
+        args = (self.data, self.widths, self.starts, self.soff, X, Y, rows)
         if par:
             vbit_rows_par(*args, threads())
         else:
-            vbit_rows(*args, 0, rows.size)
+            vbit_rows_all(*args)
