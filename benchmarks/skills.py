@@ -5,7 +5,8 @@
 
 Builds the swarm with ``cmf skill add`` (the first skill into a new file, the others appended in
 place), each skill = the donor's ``--tensors`` of ``--layers``, routing fitted on the domain's
-calibration text (``texts/*-calib.txt``: 64 sentences of 40-240 characters), quality measured on the held-out text. Then:
+calibration text (``texts/*-calib.txt``: 64 sentences of 40-240 characters), quality measured on
+the held-out text. Then:
 
 - held-out perplexity per domain (README protocol: 257-token windows, positions 1..256 scored)
   for the backbone, each skill, ``--skill auto`` (each window routed on its first 128 tokens) and
