@@ -122,17 +122,17 @@ def _power_basis(centered: np.ndarray, rank: int, steps: int = POWER_STEPS) -> n
     out = []
     for _ in range(rank):
         v = np.full(h, 1.0 / math.sqrt(h))
+        n = 0.0
         for _ in range(steps):
             w = x.T @ (x @ v)
             n = float(np.linalg.norm(w))
             if n == 0.0:
                 break
             v = w / n
-        else:
-            out.append(v)
-            x = x - np.outer(x @ v, v)
-            continue
-        break  # nothing left to explain: a lower rank than asked
+        if n == 0.0:
+            break  # the data has no variance left: a lower rank than asked
+        out.append(v)
+        x = x - np.outer(x @ v, v)  # deflation
     return np.array(out, dtype=np.float64).reshape(len(out), h)
 
 
