@@ -90,8 +90,12 @@ def test_unknown_skill_and_select_keeps_selection(files):
         assert m.skill == "a"
         with pytest.raises(UnknownSkill):
             m.select(skill="nope")
-        with pytest.raises(CmfError):
+        with pytest.raises(UnknownSkill):
             m.select(blend={"nope": 1.0})
+        with pytest.raises(CmfError):
+            m.select(blend={"a": -1.0})
+        with pytest.raises(ValueError):
+            m.select(skill="a", blend={"b": 1.0})
 
 
 def test_blend_weight_one_is_that_skill(files, ref):

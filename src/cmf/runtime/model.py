@@ -209,6 +209,9 @@ class Model:
             else:
                 from .routing import normalize_blend
 
+                for sid in blend:  # type: ignore[union-attr]
+                    if sid not in (None, "none"):
+                        self._check_skill(sid)  # UnknownSkill, as for skill=
                 self._auto = None
                 self._switch(None, normalize_blend(blend, self.skills))  # type: ignore[arg-type]
         elif skill is not ...:
