@@ -48,14 +48,16 @@ def restricts(mask: TaskMask | None) -> bool:
 def apply_task_mask(model, mask: TaskMask | None) -> None:
     """Set every block's gate, head and FFN restriction from ``mask`` (None: unmasked).
 
-    Logs a warning the first time a mask whose ``quality`` is null becomes active: its effect on
-    quality was never measured (spec §5.1).
+    Logs a warning when a mask whose ``quality`` is null becomes active (once per task and model,
+    so a server alternating tasks does not repeat it): its effect was never measured (spec §5.1).
     """
     name = mask.name if mask is not None else None
     if name != getattr(model, "_mask_applied", None):
-        if mask is not None and mask.quality is None:
+        warned = model.__dict__.setdefault("_mask_warned", set())
+        if mask is not None and mask.quality is None and name not in warned:
             log.warning("task %r: quality unmeasured (the mask carries no held-out metric); "
                         "measure it with 'cmf mask create --heldout' or 'cmf ppl --task'", name)
+            warned.add(name)
         model._mask_applied = name
     if not restricts(mask):
         mask = None
