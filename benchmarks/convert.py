@@ -175,7 +175,7 @@ def main() -> None:
         if "## convert\n" in body:
             start = body.index("## convert\n")
             nxt = body.find("\n## ", start + 1)
-            body = body[:start] + section + (body[nxt + 1:] if nxt >= 0 else "")
+            body = body[:start] + section + ("\n" + body[nxt + 1:] if nxt >= 0 else "")
         else:
             body = body.rstrip("\n") + "\n\n\n" + section
         RESULTS.write_text(body)
