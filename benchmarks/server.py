@@ -285,7 +285,9 @@ def main() -> None:
             f"Runtime alone, one sequence, no HTTP: **{ref:.1f} tokens/s** decode (median of 5).\n\n"
             "### cmf serve\n\n" + table(headers, rows)
             + "\n\nThe engine runs one sequence at a time (requests queue; no batched decode yet), so "
-            "tokens/s stays at the single-stream rate while TTFT grows with the queue.\n\n"
+            "tokens/s stays at the single-stream rate while TTFT grows with the queue. The VM is shared: "
+            "runs under a load average of 3-7 from other jobs measured both servers 2-4x slower, so compare "
+            "figures within one run only.\n\n"
             f"### llama_cpp.server\n\n{llama}.\n")
     if llama_rows:
         text += "\n" + table(headers, llama_rows) + "\n"
