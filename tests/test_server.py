@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
