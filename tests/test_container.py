@@ -421,3 +421,16 @@ def test_direct_mode_with_expected_names(tmp_path):
     _write_direct(big, names[:1], extra_header={"provenance": {"blob": "x" * 20000}})
     with cmf.open(big) as f:
         assert f.verify() == [] and f.keys() == names
+
+
+def test_add_array_accepts_converter_aliases(tmp_path):
+    from cmf import quant
+
+    a = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    with CmfWriter(tmp_path / "a.cmf", header()) as w:
+        w.add_array("x", a, "q8")
+        w.add_array("y", a, "q1p")
+        w.add_array("z", a, "q4t")
+    with cmf.open(tmp_path / "a.cmf") as f:
+        assert [f.tensor(n).dtype for n in "xyz"] == [Dtype.Q8_ROW, Dtype.Q1, Dtype.Q4_TILED]
+        assert bytes(f.tensor("y").data) == quant.encode(a, "q1p") != quant.encode(a, "q1")

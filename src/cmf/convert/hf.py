@@ -466,7 +466,10 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
     n_workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
     cap = max((_cost(i) for i in plan.items), default=0)
     try:
-        with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes) as w, \
+        # The tensor list is known up front: the writer reserves the head and writes each payload
+        # once, at its final offset (no spool copy).
+        with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes,
+                       expected_names=[i.name for i in plan.items]) as w, \
                 ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cmf-convert") as pool:
             pending: deque[tuple[PlanItem, Future[tuple[Any, Dtype]]]] = deque()
             in_flight = 0

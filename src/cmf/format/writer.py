@@ -55,13 +55,18 @@ def tensor_alignment(nbytes: int) -> int:
     return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES else TENSOR_ALIGN
 
 
+# The converter's --quant spellings (FORMATS.md) accepted next to the spec labels.
+DTYPE_ALIASES = {"q8": Dtype.Q8_ROW, "q4": Dtype.Q4_BLOCK, "q4t": Dtype.Q4_TILED, "q1p": Dtype.Q1}
+
+
 def as_dtype(dtype: Dtype | int | str) -> Dtype:
-    """Accept a Dtype, its id or its label ("q4tp")."""
+    """Accept a Dtype, its id, its label ("q4tp") or a converter alias ("q8", "q4t", "q1p")."""
     if isinstance(dtype, str):
-        try:
-            return DTYPE_BY_LABEL[dtype.lower()]
-        except KeyError:
-            raise WriterError(f"unknown dtype {dtype!r}") from None
+        key = dtype.strip().lower()
+        d = DTYPE_BY_LABEL.get(key, DTYPE_ALIASES.get(key))
+        if d is None:
+            raise WriterError(f"unknown dtype {dtype!r}")
+        return d
     try:
         return Dtype(int(dtype))
     except ValueError:
@@ -322,7 +327,8 @@ class CmfWriter:
         else:
             from .. import quant  # lazy: codecs sit above the container layer
 
-            payload = quant.encode(arr, dt, **options)
+            # pass the alias itself so e.g. "q1p" keeps its error-diffusion option
+            payload = quant.encode(arr, dtype if isinstance(dtype, str) else dt, **options)
         return self.add(name, dt, arr.shape, payload)
 
     def _spool_for(self, nbytes: int) -> _Spool:
