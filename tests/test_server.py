@@ -296,16 +296,34 @@ def test_task_and_skill_per_request(client, server):
     assert skilled.choices[0].message.content != base.choices[0].message.content
     again = chat(client, max_tokens=10, extra_body={"ignore_eos": True, "cmf": {"skill": None}})
     assert again.choices[0].message.content == base.choices[0].message.content  # switching back is exact
-    tasked = chat(client, max_tokens=3, extra_body={"cmf": {"task": "half"}})
+    tasked = chat(client, max_tokens=10, extra_body={"ignore_eos": True, "cmf": {"task": "half"}})
     assert tasked.model_extra["cmf"]["task"] == "half"
+    assert tasked.choices[0].message.content != base.choices[0].message.content  # half the FFN rows off
+    again = chat(client, max_tokens=10, extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == base.choices[0].message.content
+    # blends: all weight on one skill is that skill; "auto" routes (no routable skill here: the backbone)
+    blended = chat(client, max_tokens=10, extra_body={"ignore_eos": True, "cmf": {"blend": {"terse": 2.0}}})
+    assert blended.choices[0].message.content == skilled.choices[0].message.content
+    assert blended.model_extra["cmf"].get("blend", {"terse": 1.0}) == {"terse": 1.0}  # may run as the skill
+    half = chat(client, max_tokens=10, extra_body={"ignore_eos": True, "cmf": {"blend": {"terse": 1, "none": 1}}})
+    assert half.model_extra["cmf"]["blend"] == {"terse": 0.5, "none": 0.5}
+    routed = chat(client, max_tokens=10, extra_body={"ignore_eos": True, "cmf": {"skill": "auto"}})
+    assert routed.model_extra["cmf"]["route"]["winner"] is None
+    assert routed.choices[0].message.content == base.choices[0].message.content
+    assert "route" in chat(client, max_tokens=2, extra_body={"cmf": {"blend": "auto"}}).model_extra["cmf"]
     with pytest.raises(openai.NotFoundError) as e:
         chat(client, extra_body={"cmf": {"task": "nope"}})
     assert e.value.body["code"] == "task_not_found" and e.value.body["param"] == "cmf.task"
     with pytest.raises(openai.NotFoundError) as e:
         chat(client, extra_body={"cmf": {"skill": "nope"}})
     assert e.value.body["code"] == "skill_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(client, extra_body={"cmf": {"blend": {"terse": 0.5, "nope": 0.5}}})
+    assert e.value.body["param"] == "cmf.blend.nope"
     with pytest.raises(openai.BadRequestError):
-        chat(client, extra_body={"cmf": {"blend": {"terse": 0.5}}})
+        chat(client, extra_body={"cmf": {"blend": {"terse": 0}}})
+    with pytest.raises(openai.BadRequestError):
+        chat(client, extra_body={"cmf": {"blend": {"terse": 1}, "skill": "terse"}})
     # a streamed request reports the selection in its finish chunk
     chunks = list(chat(client, max_tokens=2, stream=True, extra_body={"cmf": {"skill": "terse"}}))
     fin = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
@@ -539,8 +557,6 @@ def test_cli_refuses_skill_file_and_bad_file(tmp_path, capsys):
     junk.write_bytes(b"not a cmf file" * 20)
     assert main(["serve", str(junk), "--port", "0"]) == 2
     assert "cmf: error:" in capsys.readouterr().err
-    assert main(["serve", str(junk), "--skill", "auto"]) == 2
-    assert "routing" in capsys.readouterr().err
 
 
 def test_cli_serves_until_interrupted(model_path, tmp_path):

@@ -211,24 +211,29 @@ class _Api:
             raise S.RequestError(404, f"the model '{name[:200]}' does not exist; this server serves "
                                       f"'{self.model_id}'", param="model", code="model_not_found")
 
-    def _selection(self, sel: S.Selection) -> tuple[str | None, str | None]:
-        """The (task, skill) a request runs with; 404 for names the file does not have."""
-        if sel.blend is not None:
-            raise S.bad("skill blends are not supported by this runtime yet", "cmf.blend", "unsupported_value")
+    def _unknown_skill(self, sid: str, param: str) -> S.RequestError:
+        return S.RequestError(404, f"no skill '{sid[:200]}' in this model (skills: "
+                                   f"{', '.join(self.model.skills) or 'none'})", param=param, code="skill_not_found")
+
+    def _selection(self, sel: S.Selection) -> tuple[str | None, str | None, Any]:
+        """The (task, skill, blend) a request runs with; 404 for names the file does not have."""
         task = self.engine.default_task if sel.task is ... else sel.task
-        skill = self.engine.default_skill if sel.skill is ... else sel.skill
         if task is not None and task not in self.model.tasks:
             raise S.RequestError(404, f"no task '{task[:200]}' in this model (tasks: "
                                       f"{', '.join(self.model.tasks) or 'none'})", param="cmf.task",
                                  code="task_not_found")
-        if skill == "auto":
-            raise S.bad("automatic skill routing is not supported by this runtime yet", "cmf.skill",
-                        "unsupported_value")
-        if skill not in (None, "none") and skill not in self.model.skills:
-            raise S.RequestError(404, f"no skill '{skill[:200]}' in this model (skills: "
-                                      f"{', '.join(self.model.skills) or 'none'})", param="cmf.skill",
-                                 code="skill_not_found")
-        return task, None if skill == "none" else skill
+        if sel.blend is not None:
+            if sel.skill not in (..., None, "none"):
+                raise S.bad("give 'cmf.skill' or 'cmf.blend', not both", "cmf.blend", "invalid_value")
+            if isinstance(sel.blend, dict):
+                for sid in sel.blend:
+                    if sid != "none" and sid not in self.model.skills:
+                        raise self._unknown_skill(sid, f"cmf.blend.{sid}")
+            return task, None, sel.blend
+        skill = self.engine.default_skill if sel.skill is ... else sel.skill
+        if skill not in (None, "none", "auto") and skill not in self.model.skills:
+            raise self._unknown_skill(skill, "cmf.skill")
+        return task, None if skill == "none" else skill, None
 
     def _budget(self, n_prompt: int, requested: int | None, param: str) -> int:
         """max_tokens for a prompt of ``n_prompt`` tokens: the request's, or up to the context."""
@@ -295,6 +300,10 @@ class _Api:
             return {}
         out = {"task": fin.task, "skill": fin.skill, "time_to_first_token_ms": round(fin.time_to_first_token * 1e3, 2),
                "prompt_tps": round(fin.prompt_tps, 2), "generation_tps": round(fin.generation_tps, 2)}
+        if fin.blend is not None:
+            out["blend"] = fin.blend
+        if fin.route is not None:
+            out["route"] = fin.route
         if fin.spec_drafted:
             out.update(spec_drafted=fin.spec_drafted, spec_accepted=fin.spec_accepted)
         return out
@@ -316,7 +325,7 @@ class _Api:
         body = await _read_json(request, self.max_body)
         req = S.parse_chat(body, vocab=self.vocab)
         self._check_model(req.model)
-        task, skill = self._selection(req.selection)
+        task, skill, blend = self._selection(req.selection)
         from ..runtime.generate import prompt_ids_for
 
         ids = await run_in_threadpool(prompt_ids_for, self.model, req.messages, tools=req.tools,
@@ -324,7 +333,7 @@ class _Api:
         max_tokens = self._budget(len(ids), req.sampling.max_tokens, "messages")
         chan = _Channel()
         job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-                  task=task, skill=skill)
+                  task=task, skill=skill, blend=blend, route_prompt=req.messages)
         self._submit(job)
         rid, created = S.new_id("chatcmpl"), S.now()
         if not req.stream:
@@ -371,7 +380,7 @@ class _Api:
         body = await _read_json(request, self.max_body)
         req = S.parse_completion(body, vocab=self.vocab)
         self._check_model(req.model)
-        task, skill = self._selection(req.selection)
+        task, skill, blend = self._selection(req.selection)
         tok = self.engine.tokenizer
         if isinstance(req.prompt, str):
             ids = await run_in_threadpool(tok.encode, req.prompt, add_special_tokens=True)
@@ -385,7 +394,7 @@ class _Api:
         chan = _Channel()
         want_lp = req.logprobs is not None
         job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=want_lp, top_logprobs=req.logprobs or 0,
-                  task=task, skill=skill)
+                  task=task, skill=skill, blend=blend, route_prompt=req.prompt)
         self._submit(job)
         rid, created = S.new_id("cmpl"), S.now()
         echo = prompt_text if req.echo else ""

@@ -22,6 +22,7 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
+from ..runtime.generate import stream_generate
 from .schemas import Sampling, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class Finished:
     skill: str | None = None
     spec_drafted: int = 0  # MTP drafts proposed / accepted (speculative decoding)
     spec_accepted: int = 0
+    blend: dict[str, float] | None = None  # the blend that ran ("none" = the backbone)
+    route: dict[str, Any] | None = None  # the routing decision, under an "auto" skill or blend
 
 
 @dataclass
@@ -119,7 +122,9 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     task: str | None = None
-    skill: str | None = None
+    skill: str | None = None  # an id, None (the backbone) or "auto" (routed on route_prompt)
+    blend: dict[str, float] | str | None = None  # {id or "none": weight} or "auto"; replaces skill
+    route_prompt: Any = None  # what "auto" routes on: the chat messages, or the completion prompt
     id: int = 0
     state: str = "new"  # new → queued → running → done | cancelled | failed
     generated: int = 0
@@ -333,7 +338,10 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         model = self.model
-        model.select(task=job.task, skill=job.skill)
+        if job.blend is not None:
+            route = model.select(task=job.task, skill=None, blend=job.blend, route_prompt=job.route_prompt)
+        else:
+            route = model.select(task=job.task, skill=job.skill, route_prompt=job.route_prompt)
         eos = self.tokenizer.eos_ids
         pending: list[TokenLogprob] = []
 
@@ -348,8 +356,10 @@ class Engine:
         # prompts where drafts keep failing; a sampled request always decodes plainly.
         spec = "auto" if self.speculative and job.sampling.temperature < 1e-6 else "off"
         last = None
-        for r in model.stream(job.prompt_ids, max_tokens=job.max_tokens, on_token=on_token, spec=spec,
-                              **job.sampling.kwargs()):
+        # stream_generate, not model.stream: an "auto" selection was routed above, on the user's
+        # text rather than on the templated ids model.stream would route on again.
+        for r in stream_generate(model, job.prompt_ids, max_tokens=job.max_tokens, on_token=on_token, spec=spec,
+                                 **job.sampling.kwargs()):
             last = r
             if r.text:
                 self._emit(job, Delta(r.text, pending[:]))
@@ -364,4 +374,6 @@ class Engine:
         self._emit(job, Finished(last.finish_reason, len(job.prompt_ids), last.generation_tokens,
                                  last.time_to_first_token, last.prompt_tps, last.generation_tps,
                                  model.task, model.skill, getattr(last, "spec_drafted", 0),
-                                 getattr(last, "spec_accepted", 0)))
+                                 getattr(last, "spec_accepted", 0),
+                                 {k or "none": w for k, w in model.blend.items()} if model.blend else None,
+                                 route.to_dict() if route is not None else None))

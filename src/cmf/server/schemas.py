@@ -151,7 +151,7 @@ class Selection:
 
     task: Any = _UNSET
     skill: Any = _UNSET
-    blend: dict[str, float] | None = None
+    blend: dict[str, float] | str | None = None  # {skill id or "none": weight}, or "auto"
 
 
 @dataclass
@@ -290,11 +290,15 @@ def _selection(body: Mapping[str, Any]) -> Selection:
             if v is not None and not isinstance(v, str):
                 raise bad(f"'cmf.{key}' must be a string or null, got {_type_name(v)}", f"cmf.{key}", "invalid_type")
             setattr(sel, key, v)
+    if c.get("blend") == "auto":
+        sel.blend = "auto"
+        return sel
     blend = _obj(c, "blend", param="cmf.blend")
     if blend is not None:
-        if not blend:
-            raise bad("'cmf.blend' must name at least one skill", "cmf.blend", "invalid_value")
-        sel.blend = {str(k): _num(blend, k, lo=0.0, param=f"cmf.blend.{k}") for k in blend}
+        weights = {str(k): _num(blend, k, lo=0.0, default=0.0, param=f"cmf.blend.{k}") for k in blend}
+        if not weights or sum(weights.values()) <= 0:
+            raise bad("'cmf.blend' must give a positive weight to at least one skill", "cmf.blend", "invalid_value")
+        sel.blend = weights
     return sel
 
 

@@ -52,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body must be >= 1024 bytes, got {args.max_body}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.skill == "auto":
-        raise ValueError("--skill auto needs skill routing, which this runtime does not have yet")
 
     from ..runtime.model import load
     from ..server.app import bind, create_app
