@@ -81,3 +81,19 @@ def test_run_accepts_hf_folder_via_cache(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["run", str(tmp_path / "missing.cmf"), "-p", "hi"]) == 2
     assert "missing.cmf" in capsys.readouterr().err
+
+
+def test_bench_compare_runs_peers_in_fresh_processes(model_path, capsys):
+    """hf runs on the exported weights; llama.cpp runs when importable, else the table says why."""
+    assert main(["bench", model_path, "--compare", "hf,llama.cpp", "-p", "8", "-n", "4", "-r", "1",
+                 "-o", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    engines = [r["engine"] for r in res["rows"]]
+    assert engines[:2] == ["pycmf", "hf"]
+    assert res["rows"][0]["decode_ratio_to_pycmf"] == 1.0
+    assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["peak_rss_mb"] > 10 for r in res["rows"])
+    try:
+        import llama_cpp  # noqa: F401
+        assert "llama.cpp" in engines
+    except ImportError:
+        assert "llama_cpp" in res["skipped"]["llama.cpp"]

@@ -139,7 +139,7 @@ def _add_vocab(w, f, gguf) -> None:
     tj = f.tokenizer_json
     if tj is None:
         raise GgufError("the model has no tokenizer section; llama.cpp needs a vocabulary")
-    v = gguf_vocab_from_tokenizer_json(tj)
+    v = gguf_vocab_from_tokenizer_json(tj, f.tensor("model.embed_tokens.weight").shape[0])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(v["pre"])
     w.add_token_list(v["tokens"])

@@ -65,8 +65,12 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     return tok.to_str()
 
 
-def gguf_vocab_from_tokenizer_json(data: bytes | str) -> dict[str, Any]:
-    """tokens, merges, token types and pre-tokenizer name for GGUF export from a tokenizer.json."""
+def gguf_vocab_from_tokenizer_json(data: bytes | str, n_vocab: int = 0) -> dict[str, Any]:
+    """tokens, merges, token types and pre-tokenizer name for GGUF export from a tokenizer.json.
+
+    The list is padded with unused ``[PADi]`` entries up to ``n_vocab`` (the embedding rows):
+    llama.cpp requires one token per embedding row.
+    """
     tj = json.loads(data)
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
@@ -75,7 +79,7 @@ def gguf_vocab_from_tokenizer_json(data: bytes | str) -> dict[str, Any]:
     added = {a["content"]: a for a in tj.get("added_tokens") or []}
     for a in added.values():
         vocab.setdefault(a["content"], a["id"])
-    n = max(vocab.values()) + 1 if vocab else 0
+    n = max(max(vocab.values()) + 1 if vocab else 0, n_vocab)
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # UNUSED for holes
     for t, i in vocab.items():

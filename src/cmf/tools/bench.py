@@ -24,6 +24,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tgN (0 = skip)")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    p.add_argument("--compare", default=None, metavar="ENGINES",
+                   help="also run hf and/or llama.cpp on the same weights (comma list: hf,llama.cpp), "
+                        "each engine in a fresh process, interleaved; prints one table with ratios")
     p.set_defaults(run=run)
     return p
 
@@ -61,6 +64,15 @@ def bench(model, n_prompt: int, n_gen: int, reps: int) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        from .bench_compare import compare, render
+        from ._runtime_args import resolve_model
+
+        res = compare(resolve_model(args.model), [e.strip() for e in args.compare.split(",") if e.strip()],
+                      n_prompt=args.n_prompt, n_gen=args.n_gen, reps=max(1, args.repetitions),
+                      threads=args.threads)
+        print(json.dumps(res) if args.output == "json" else render(res))
+        return 0
     model = load_model(args)
     res = bench(model, args.n_prompt, args.n_gen, max(1, args.repetitions))
     size = model.file.size
