@@ -387,6 +387,21 @@ def test_defrag_equals_the_masked_model_at_f32(qwen3, tmp_path):
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
 
 
+def test_defragged_width_invariants_are_checked_on_load(qwen3, tmp_path):
+    out = tmp_path / "d.cmf"
+    defrag(qwen3, out, task="half")
+    bad = tmp_path / "bad.cmf"
+    with cmf_open(out) as f, CmfWriter(bad, f.header.to_dict()) as w:
+        for name in f:
+            t = f.tensor(name)
+            if name == "model.layers.1.mlp.down_proj.weight":  # one neuron column short of gate/up
+                w.add_array(name, f.array(name)[:, 1:], "f32")
+            else:
+                w.add(name, t.dtype, t.shape, t.numpy())
+    with pytest.raises(cmf.CmfError, match="layer 1: FFN shapes disagree"):
+        cmf.load(bad)
+
+
 def test_defrag_requantizes_and_falls_back_to_q8_2f(tmp_path):
     src = H.converted("qwen3", "q4tp")
     with cmf_open(src) as f:

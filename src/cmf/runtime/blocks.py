@@ -230,7 +230,9 @@ class DenseFfn:
         if self._live is not None and np.array_equal(live, self._live):
             return
         self._live, self._key = live, np.packbits(keep).tobytes()
-        self._down_live = self._cache.get(self._key)
+        self._down_live = self._cache.pop(self._key, None)
+        if self._down_live is not None:
+            self._cache[self._key] = self._down_live  # most recently used last
 
     def _down_op(self) -> tuple:
         if self._down_live is None:

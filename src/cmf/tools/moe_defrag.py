@@ -184,7 +184,7 @@ def moe_defrag(src: str | os.PathLike, dst: str | os.PathLike, *, stats: str | o
                 plan.append((name, f.tensor(name), "rows"))
             else:
                 plan.append((name, f.tensor(name), "copy"))
-        gather = {**{r: lay for r, lay in routers.items()}, **{b: lay for b, lay in biases.items()}}
+        gather = {**routers, **biases}  # base name -> layer whose kept rows it takes
         experts_before = sum(len(lay.counts) for lay in layers)
         experts_after = sum(lay.kept.size for lay in layers)
         prov = dict(header.get("provenance") or {})
