@@ -22,6 +22,11 @@ from ._jit import parallel_for, scratch
 
 # f32 rows per batched tile: ~1 MB fits the L2 cache, so BLAS reads what was just written.
 TILE_BYTES = 1 << 20
+# Batched tiles are dequantized on the calling thread. Alternating a numba parallel region with
+# OpenBLAS's threaded sgemm tile after tile makes the two thread pools (each spinning a while
+# after its work) fight for the cores: measured 3-7 GFLOP/s for T=64 against 10-22 with serial
+# dequantization on the same loaded 2-core machine (plain sgemm: 49-60).
+DEQUANT_PARALLEL = False
 
 
 def as_batch(x: np.ndarray, cols: int) -> tuple[np.ndarray, bool]:
@@ -136,7 +141,7 @@ class FusedLinear:
             return np.ascontiguousarray(Yt.T)
         R = self._tile_rows()
         buf = scratch("dequant-tile", (R, self.in_features))
-        par = parallel_for(min(R, n) * self.nbytes // max(self.out_features, 1))
+        par = DEQUANT_PARALLEL and parallel_for(min(R, n) * self.nbytes // max(self.out_features, 1))
         Xt = X.T
         for r0 in range(0, n, R):
             r1 = min(n, r0 + R)

@@ -26,6 +26,7 @@ import numpy as np
 from numba import prange
 
 from ..format.constants import GROUP, Dtype
+from . import _base
 from ._base import FusedLinear, TILE_BYTES
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, lo_nibble, plane_scales,
                    scratch, threads)
@@ -462,7 +463,7 @@ class TiledLinear(FusedLinear):
         Yt = np.empty((self.out_features, T), np.float32)
         per = max(1, TILE_BYTES // (4 * R * max(self.in_features, 1)))
         buf = scratch("q4-dequant", (self.in_features, per * R))
-        par = threads() > 1
+        par = _base.DEQUANT_PARALLEL and threads() > 1
         Xt = X.T
         for t0 in range(0, self.ntiles, per):
             t1 = min(self.ntiles, t0 + per)
