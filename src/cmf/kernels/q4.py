@@ -311,7 +311,8 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
             ready[t] = 1
         if kind != KIND_F16:
             _powers(t, params, exp2tab, base, pw)
-        o = (t - t0) * R
+        # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
+        ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
         for g in range(gpr):
             if kind == KIND_F16:
                 for i in range(R):
@@ -319,18 +320,18 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
             else:
                 plane_scales(cw, (t * gpr + g) * CODE_BYTES, base, pw, s, kind == KIND_Q2TP)
             for k in range(width):
+                pk = planes[t, g, k]
                 if width == 16:
-                    c = g * GROUP + 2 * k
+                    lo = ot[g * GROUP + 2 * k]
+                    hi = ot[g * GROUP + 2 * k + 1]
                     for i in range(R):
-                        w = planes[t, g, k, i]
-                        out[c, o + i] = (lo_nibble(w) - np.float32(8)) * s[i]
-                        out[c + 1, o + i] = (hi_nibble(w) - np.float32(8)) * s[i]
+                        lo[i] = (lo_nibble(pk[i]) - np.float32(8)) * s[i]
+                        hi[i] = (hi_nibble(pk[i]) - np.float32(8)) * s[i]
                 else:
-                    c = g * GROUP + 4 * k
-                    for i in range(R):
-                        w = planes[t, g, k, i]
-                        for q in range(4):
-                            out[c + q, o + i] = (crumb(w, q) - np.float32(1.5)) * s[i]
+                    for q in range(4):
+                        dst = ot[g * GROUP + 4 * k + q]
+                        for i in range(R):
+                            dst[i] = (crumb(pk[i], q) - np.float32(1.5)) * s[i]
 
 
 @numba.njit(**PARALLEL_ORDERED)
