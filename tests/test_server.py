@@ -286,6 +286,8 @@ def test_api_key(keyed):
         assert request(keyed, "GET", path)[0] == 401, path
     assert request(keyed, "GET", "/models", headers={"Authorization": "Bearer " + KEY})[0] == 200
     assert request(keyed, "GET", "/health")[0] == 200  # health stays public
+    assert request(keyed, "GET", "/")[0] == 200  # and so does the chat page, which asks for the key
+    assert request(keyed, "GET", "/static/app.css")[0] == 200
 
 
 def test_task_and_skill_per_request(client, server):
@@ -400,8 +402,10 @@ def test_routes_sizes_and_unknown_fields(server):
     assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
     status, _, raw = request(server, "GET", "/v1/chat/completions")
     assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
-    status, _, raw = request(server, "GET", "/")  # no UI shipped yet: the hook stays closed
-    assert status == 404
+    status, headers, raw = request(server, "GET", "/")  # the chat page (tests/test_webui.py drives it)
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"/static/app.js" in raw
+    assert request(server, "GET", "/static/app.js")[0] == 200
+    assert request(server, "GET", "/static/nothing.js")[0] == 404
     huge = json.dumps(dict(_M, messages=[{"role": "user", "content": "x" * (2 << 20)}]))
     status, _, raw = request(server, "POST", "/v1/chat/completions", huge)
     assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large"

@@ -201,6 +201,9 @@ class _Api:
         d = info(self.model.file)
         d.pop("path", None)
         d["files"] = [Path(p).name for p in d.get("files", [])]
+        # `skills` below becomes the plain id list (as in /v1/models); the records with their
+        # measured quality stay available to clients (the web UI's model panel) under this key.
+        d["skill_info"] = d.get("skills", [])
         d.update(ctx_size=self.model.ctx_size, default_task=self.engine.default_task,
                  default_skill=self.engine.default_skill, tasks=self.model.tasks, skills=self.model.skills)
         return d
