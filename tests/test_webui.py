@@ -57,15 +57,15 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
 # ----------------------------------------------------------------------------------- fixtures
 
 
-def _browser_paths() -> tuple[str, str]:
-    """(browser, chromedriver) from PATH, or skip the module saying which is missing."""
-    browser = next((p for p in map(shutil.which, BROWSERS) if p), None)
-    driver = shutil.which("chromedriver")
-    if browser is None or driver is None:
-        missing = " and ".join(n for n, p in (("chromium", browser), ("chromedriver", driver)) if p is None)
-        pytest.skip(f"no {missing} on PATH: the web UI test needs a system Chromium "
-                    "(Debian: apt-get install chromium chromium-driver)")
-    return browser, driver
+def _browser_paths() -> tuple[str | None, str | None]:
+    """(browser, chromedriver) found on PATH; None for what is missing."""
+    return next((p for p in map(shutil.which, BROWSERS) if p), None), shutil.which("chromedriver")
+
+
+BROWSER, CHROMEDRIVER = _browser_paths()
+_MISSING = " and ".join(n for n, p in (("chromium", BROWSER), ("chromedriver", CHROMEDRIVER)) if p is None)
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"no {_MISSING} on PATH: the web UI test needs a system "
+                                "Chromium (Debian: apt-get install chromium chromium-driver)")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,6 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(model_path, tmp_path_factory) -> Iterator[Served]:
-    _browser_paths()  # skip before starting anything when there is no browser
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--alias", MODEL_ID,
            "--api-key", KEY, "--max-queue", "4"]
@@ -163,15 +162,14 @@ def served(model_path, tmp_path_factory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Iterator[Any]:
-    browser, chromedriver = _browser_paths()
     options = webdriver.ChromeOptions()
-    options.binary_location = browser
+    options.binary_location = BROWSER
     for flag in CHROME_FLAGS:
         options.add_argument(flag)
     options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
     options.add_argument("--window-size=1280,800")
     # An explicit driver path: Selenium then never runs Selenium Manager (which would download).
-    d = webdriver.Chrome(options=options, service=Service(chromedriver))
+    d = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     d.set_script_timeout(10)
     try:
         yield d
@@ -330,6 +328,8 @@ def test_streamed_reply_equals_greedy_answer(page, served, tmp_path):
     assert second["text"] == served.greedy(history, 24)
     shot = _screenshot_path(tmp_path)
     shot.parent.mkdir(parents=True, exist_ok=True)
+    page.set_window_size(1280, 960)  # tall enough for the whole model panel
+    page.execute_script("document.getElementById('panel').scrollTop = 0; document.activeElement.blur()")
     assert page.save_screenshot(str(shot)) and shot.stat().st_size > 0
 
     # copy a message: the reply's text lands on the clipboard
@@ -368,6 +368,13 @@ def test_skill_choice_is_sent_and_reported(page, served):
     _wait_model(page)
     assert Select(page.find_element(By.ID, "skill")).first_selected_option.get_attribute("value") == "auto"
     assert Select(page.find_element(By.ID, "task")).first_selected_option.get_attribute("value") == "half"
+    # the auto blend goes out as cmf.blend (nothing routable here either: the backbone alone)
+    _spy_requests(page)
+    Select(page.find_element(By.ID, "skill")).select_by_value("blend:auto")
+    _send(page, "blend me")
+    reply = _finished_reply(page, 6)
+    assert page.execute_script("return window.__sent")[-1]["cmf"] == {"task": "half", "blend": "auto"}
+    assert "auto → backbone" in reply["stats"] and reply["error"] == ""
 
 
 def test_stop_cancels_the_generation(page, served):
@@ -425,8 +432,9 @@ def test_server_errors_are_shown(page, served):
     _set(page, "max-tokens", "4")
     _set(page, "extra", "{not json")
     _send(page, "again")
-    _wait(page, lambda d: "not valid JSON" in d.find_element(By.ID, "model-error").text)
-    assert len(_replies(page)) == 2
+    _wait(page, lambda d: "not valid JSON" in d.find_element(By.ID, "composer-error").text)
+    assert len(_replies(page)) == 2 and page.find_element(By.ID, "prompt").get_attribute("value") == "again"
+    page.find_element(By.ID, "prompt").clear()
     # and a request the server refuses for its key
     page.execute_script("localStorage.setItem('cmf.webui.apiKey', 'stale')")
     _set(page, "extra", "")
@@ -437,16 +445,19 @@ def test_server_errors_are_shown(page, served):
 
 
 def test_narrow_screen(page):
-    page.set_window_size(390, 780)
-    _wait(page, lambda d: d.find_element(By.ID, "panel-toggle").is_displayed())
-    overflow = page.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
-    assert overflow <= 0
+    page.set_window_size(390, 780)  # a phone (headless Chromium may keep a wider minimum)
+    _wait(page, lambda d: d.find_element(By.ID, "panel-toggle").is_displayed(), message="no one-column layout")
+    width = page.execute_script("return window.innerWidth")
+    assert width <= 760
+    assert page.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
     assert not page.find_element(By.ID, "panel").is_displayed()
     for element_id in ("prompt", "send", "stop", "new-chat"):
         box = page.find_element(By.ID, element_id).rect
-        assert box["x"] >= 0 and box["x"] + box["width"] <= 390, element_id
+        assert box["x"] >= 0 and box["x"] + box["width"] <= width, element_id
     toggle = page.find_element(By.ID, "panel-toggle")
     toggle.click()
     assert toggle.get_attribute("aria-expanded") == "true"
-    assert page.find_element(By.ID, "skill").is_displayed()
-    assert page.execute_script("return document.documentElement.scrollWidth - window.innerWidth") <= 0
+    assert page.find_element(By.ID, "skill").is_displayed() and page.find_element(By.ID, "send").is_displayed()
+    assert page.execute_script("return document.documentElement.scrollWidth") <= width
+    toggle.click()
+    assert not page.find_element(By.ID, "panel").is_displayed()

@@ -17,7 +17,8 @@
   const $ = (id) => document.getElementById(id);
   const el = {
     modelName: $("model-name"), log: $("log"), empty: $("empty"), status: $("status"),
-    form: $("composer"), prompt: $("prompt"), send: $("send"), stop: $("stop"), newChat: $("new-chat"),
+    form: $("composer"), composerError: $("composer-error"), prompt: $("prompt"), send: $("send"),
+    stop: $("stop"), newChat: $("new-chat"),
     panel: $("panel"), panelToggle: $("panel-toggle"), layout: document.querySelector(".layout"),
     modelError: $("model-error"), facts: $("model-facts"), dtypeBody: document.querySelector("#dtype-table tbody"),
     task: $("task"), skill: $("skill"), quality: $("quality-list"),
@@ -420,8 +421,10 @@
   // What ran, from the response's cmf object: the skill, the blend, or what "auto" picked.
   function ranText(cmf, asked) {
     if (!cmf) return "";
-    if (cmf.blend && typeof cmf.blend === "object") {
-      const mix = Object.entries(cmf.blend).map(([id, w]) => `${id === "none" ? "backbone" : id} ${Number(w).toFixed(2)}`);
+    const blend = cmf.blend || (cmf.route && cmf.route.blend);
+    if (blend && typeof blend === "object" && Object.keys(blend).length) {
+      const mix = Object.entries(blend)
+        .map(([id, w]) => `${id === "none" ? "backbone" : id} ${Number(w).toFixed(2)}`);
       return `blend${asked === "blend:auto" ? " (auto)" : ""}: ${mix.join(" + ")}`;
     }
     const skill = cmf.skill || "backbone";
@@ -513,11 +516,13 @@
     try {
       extra = parseExtra(settings.extra);
     } catch (err) {
-      setStatus(err.message);
-      el.modelError.textContent = err.message;
-      el.modelError.hidden = false;
+      // Nothing is sent and the message stays in the box, to send again once fixed.
+      el.composerError.textContent = err.message;
+      el.composerError.hidden = false;
       return;
     }
+    el.composerError.hidden = true;
+    el.prompt.value = "";
     const conversation = state.conversation;
     conversation.messages.push({ role: "user", content: text });
     const body = requestBody(settings, extra);
@@ -652,10 +657,7 @@
 
   el.form.addEventListener("submit", (event) => {
     event.preventDefault();
-    const text = el.prompt.value;
-    if (!text.trim() || state.controller) return;
-    el.prompt.value = "";
-    send(text);
+    send(el.prompt.value);
   });
 
   el.prompt.addEventListener("keydown", (event) => {
