@@ -11,15 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import LayerKV, LinearState
-from .ops import gdn
+from .ops import attention_block, gdn
 from .ops.activations import activation
 from .ops.attention import attend
+from .ops.linear import mm
+from .ops.rowwise import gated_act, rms_norm_rows
+from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .ops.rope import apply_rope
 from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
 from .weights import Weights
+
+
+# Query blocks at least this long use the per-thread sgemm attention (ops/attention_block.py).
+BLOCKED_ATTENTION_T = 8
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -58,7 +65,7 @@ class Attention:
     def __call__(self, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
         a = self.a
         t = h.shape[0]
-        q = self.q(h)
+        q = mm(self.q, h)
         if self.qb is not None:
             q += self.qb
         gate = None
@@ -67,30 +74,34 @@ class Attention:
             q, gate = np.ascontiguousarray(q[..., :a.head_dim]), q[..., a.head_dim:]
         else:
             q = q.reshape(t, a.heads, a.head_dim)
-        k = self.k(h)
+        k = mm(self.k, h)
         if self.kb is not None:
             k += self.kb
         k = k.reshape(t, a.kv_heads, a.head_dim)
-        v = self.v(h)
+        v = mm(self.v, h)
         if self.vb is not None:
             v += self.vb
         v = v.reshape(t, a.kv_heads, a.v_head_dim)
         if self.qn is not None:
-            q = rms_norm_prepared(q, self.qn, self.eps)
+            q = rms_norm_rows(q.reshape(-1, a.head_dim), self.qn, self.eps).reshape(q.shape)
         if self.kn is not None:
-            k = rms_norm_prepared(k, self.kn, self.eps)
+            k = rms_norm_rows(k.reshape(-1, a.head_dim), self.kn, self.eps).reshape(k.shape)
         cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
         q = apply_rope(np.array(q, dtype=np.float32), cos, sin)
         k = apply_rope(np.array(k, dtype=np.float32), cos, sin)
         keys, vals, k0 = kv.append(k, v)
-        out = attend(q, keys, vals, pos0, k0, scale=a.scale, window=a.window, softcap=a.softcap)
+        if t >= BLOCKED_ATTENTION_T and attention_block.supported():
+            out = attention_block.attend_blocked(q, keys, vals, pos0, k0, scale=a.scale, window=a.window,
+                                                 softcap=a.softcap)
+        else:
+            out = attend(q, keys, vals, pos0, k0, scale=a.scale, window=a.window, softcap=a.softcap)
         if gate is not None:
             out = out * _sigmoid(gate)
         if self.g is not None:
             g = np.logaddexp(0, self.g(h)).astype(np.float32)  # softplus
             out = out * (g[:, :, None] if g.shape[-1] == a.heads else g.reshape(out.shape))
         out = _heads_off(out, self.head_keep)
-        y = self.o(out.reshape(t, -1))
+        y = mm(self.o, out.reshape(t, -1))
         if self.ob is not None:
             y += self.ob
         return y
@@ -214,6 +225,7 @@ class DenseFfn:
     def __init__(self, f: FfnPlan, w: Weights) -> None:
         self.gate, self.up, self.down = w.linear(f.gate), w.linear(f.up), w.linear(f.down)
         self.act = activation(f.act)
+        self.act_name = f.act
         self.width = f.width
         self._w = w
         self._live: np.ndarray | None = None  # live neuron indices; None = unmasked fast path
@@ -247,7 +259,9 @@ class DenseFfn:
     def __call__(self, h: np.ndarray) -> np.ndarray:
         live = self._live
         if live is None:
-            return self.down(self.act(self.gate(h)) * self.up(h))
+            if h.ndim == 2 and self.act_name in ACTS:
+                return mm(self.down, gated_act(mm(self.gate, h), mm(self.up, h), ACTS[self.act_name]))
+            return mm(self.down, self.act(mm(self.gate, h)) * mm(self.up, h))
         if live.size == 0:
             return np.zeros((*h.shape[:-1], self.down.out_features), np.float32)
         a = self.act(self.gate.rows(live, h)) * self.up.rows(live, h)
@@ -278,7 +292,7 @@ class MoeFfn:
 
     def expert(self, e: int, x: np.ndarray) -> np.ndarray:
         g, u, d = (self.w.linear(n) for n in self.m.experts[e])  # prepared on first selection
-        return d(self.act(g(x)) * u(x))
+        return mm(d, self.act(mm(g, x)) * mm(u, x))
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         idx, wts = route(self.router(h), self.m.routing, bias=self.bias, allowed=self.allowed)
@@ -307,12 +321,23 @@ class Block:
         self.n_in, self.n_post_attn = norm(lp.input_norm), norm(lp.post_attn_norm)
         self.n_pre_ffn, self.n_post_ffn = norm(lp.pre_ffn_norm), norm(lp.post_ffn_norm)
         self.alive = True  # a task mask's layer gate: False skips the layer (the residual passes)
+        self._step = None  # runtime/step.py BlockStep, built on the first decoded token
 
     def new_state(self):
         return self.mixer.new_state()
 
     def _n(self, x: np.ndarray, w: np.ndarray | None) -> np.ndarray:
-        return rms_norm_prepared(x, w, self.eps) if w is not None else x
+        return rms_norm_rows(x, w, self.eps) if w is not None else x
+
+    def step(self, x: np.ndarray, state, pos: int) -> np.ndarray:
+        """One token: x [1, hidden] advanced in place through the fused decode path (step.py)."""
+        if not self.alive:
+            return x
+        if self._step is None:
+            from .step import BlockStep
+
+            self._step = BlockStep(self, x.shape[1])
+        return self._step(x, state, pos)
 
     def __call__(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
         if not self.alive:
@@ -320,6 +345,6 @@ class Block:
         a = self.mixer(self._n(x, self.n_in), state, pos0)
         if self.plan.sandwich:
             x = x + self._n(a, self.n_post_attn)
-            return x + self._n(self.ffn(rms_norm_prepared(x, self.n_pre_ffn, self.eps)), self.n_post_ffn)
+            return x + self._n(self.ffn(rms_norm_rows(x, self.n_pre_ffn, self.eps)), self.n_post_ffn)
         x = x + a
         return x + self.ffn(self._n(x, self.n_post_attn))

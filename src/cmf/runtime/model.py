@@ -83,6 +83,7 @@ class Model:
         self._blocks = [self._make_block(lp) for lp in plan.layers]
         self._final_norm = self._norm(plan.final_norm)
         self._lm_head = w.linear(plan.lm_head)
+        self._head_step = None  # the lm_head as a one-token MatvecGroup (project)
         self._mtp = None  # the MTP head is built on first use (speculative.py)
         for i, b in enumerate(self._blocks):
             if isinstance(b.ffn, MoeFfn) and old is not None and isinstance(old[i].ffn, MoeFfn):
@@ -369,15 +370,28 @@ class Model:
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
         pos0 = cache.pos
-        for block, state in zip(self._blocks, cache.layers):
-            x = block(x, state, pos0)
+        if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            for block, state in zip(self._blocks, cache.layers):
+                block.step(x, state, pos0)
+        else:
+            for block, state in zip(self._blocks, cache.layers):
+                x = block(x, state, pos0)
         cache.pos += t
         return rms_norm_prepared(x, self._final_norm, plan.eps) if self._final_norm is not None else x
 
     def project(self, h: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden states (lm_head, logit multiplier, final soft-cap)."""
         plan = self.plan
-        logits = self._lm_head(h)
+        if h.ndim == 2 and h.shape[0] == 1:  # one token: one parallel region, no BLAS thread pool
+            if self._head_step is None or self._head_step.ops[0] is not self._lm_head:
+                from ..kernels.gemv import MatvecGroup
+
+                self._head_step = MatvecGroup([self._lm_head])
+            logits = self._head_step(np.ascontiguousarray(h, dtype=np.float32),
+                                     np.empty((1, self._lm_head.out_features), np.float32))
+        else:
+            logits = self._lm_head(h)
         if plan.logit_multiplier != 1.0:
             logits *= np.float32(plan.logit_multiplier)
         if plan.final_softcap:

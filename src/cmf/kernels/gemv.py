@@ -1,0 +1,178 @@
+"""Decode products: several mat-vecs of one input in one parallel region, into caller buffers.
+
+A decoded token reads every weight once, so its cost is memory bandwidth plus, per product, a
+parallel-region start (~3 µs on an idle 2-core machine, far more when a thread is descheduled)
+and a Python call. :class:`MatvecGroup` runs the products that share an input — q, k and v;
+gate and up — in *one* region: each thread takes its chunk of rows of every matrix, and for
+gate/up it applies the activation to its own rows (``act(g)·u``) before the region ends. The
+results go into a buffer the caller allocated once, so a token step allocates nothing.
+
+The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``), so values are
+bit-for-bit those of the LinearOps. Matrices of different families, of families without a body
+here (vbit, q1) or the reference path run one after another through their LinearOp (same
+values, more regions).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, parallel_for, threads
+from .floats import F32Linear, HalfLinear, f32_rows, half_rows
+from .q4 import R as TILE_R
+from .q4 import TiledLinear, _tail_rows, split_x, tiles_run
+from .q8 import Q8Linear, _fold, q8_rows
+from .vmath import gated
+
+ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu": 2,
+        "relu": 3}
+NO_ACT = -1
+
+
+@numba.njit(inline="always")
+def _chunk(n, nt, j, align):  # pragma: no cover - compiled
+    step = ((n + nt - 1) // nt + align - 1) // align * align
+    r0 = min(n, j * step)
+    return r0, min(n, r0 + step)
+
+
+@numba.njit(**SERIAL)
+def apply_act(Y, width, act, i0, i1):  # pragma: no cover - compiled
+    """Y[0, i] = act(Y[0, i])·Y[0, width + i] for i in [i0, i1) (gate in the first half, up after)."""
+    for i in range(i0, i1):
+        Y[0, i] = gated(Y[0, i], Y[0, width + i], act)
+
+
+@numba.njit(**PARALLEL)
+def f32_group(ws, rows, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
+    for j in prange(nt):
+        for m in range(len(ws)):
+            r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
+            f32_rows(ws[m], X, Y[:, offs[m]:], rows, r0, r1)
+        if act >= 0:
+            r0, r1 = _chunk(width, nt, j, 4)
+            apply_act(Y, width, act, r0, r1)
+
+
+@numba.njit(**PARALLEL)
+def half_group(ws, kind, rows, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
+    for j in prange(nt):
+        for m in range(len(ws)):
+            r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
+            half_rows(ws[m], kind, X, Y[:, offs[m]:], rows, r0, r1)
+        if act >= 0:
+            r0, r1 = _chunk(width, nt, j, 4)
+            apply_act(Y, width, act, r0, r1)
+
+
+@numba.njit(**PARALLEL)
+def q8_group(qs, ss, cols, rows, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
+    for j in prange(nt):
+        for m in range(len(qs)):
+            r0, r1 = _chunk(qs[m].shape[0], nt, j, 4)
+            q8_rows(qs[m], ss[m], _fold(X, cols[m]), Y[:, offs[m]:], rows, r0, r1)
+        if act >= 0:
+            r0, r1 = _chunk(width, nt, j, 4)
+            apply_act(Y, width, act, r0, r1)
+
+
+@numba.njit(**PARALLEL_ORDERED)
+def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp, xs,
+                zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
+    """The 4-bit family: every matrix shares one regrouped x (same code width)."""
+    split_x(X, xp, xs, zero)
+    has_tail = False
+    for m in range(len(planes)):
+        if tails[m].shape[0]:
+            has_tail = True
+    for j in prange(nt):
+        for m in range(len(planes)):
+            t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
+            tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], params[m], exp2tabs[m], readys[m],
+                      srcs[m], scss[m], css[m], xp, xs, Y[:, offs[m]:])
+        if act >= 0 and not has_tail:
+            t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
+            apply_act(Y, width, act, t0 * TILE_R, t1 * TILE_R)
+    if has_tail:
+        for m in range(len(planes)):
+            if tails[m].shape[0]:
+                _tail_rows(X, tails[m], kinds[m], srcs[m], scss[m], css[m], params[m], exp2tabs[m],
+                           Y[:, offs[m]:])
+        if act >= 0:
+            apply_act(Y, width, act, 0, width)
+
+
+def _family(op) -> str | None:  # noqa: ANN001
+    if isinstance(op, F32Linear):
+        return "f32"
+    if isinstance(op, HalfLinear):
+        return f"half{op.kind}"
+    if isinstance(op, Q8Linear):
+        return "q8"
+    if isinstance(op, TiledLinear):
+        return f"tiled{op.width}"
+    return None
+
+
+class MatvecGroup:
+    """``out[0, off_m : off_m + rows_m] = W_m · x`` for every matrix m, or, with ``act``, the
+    gated activation ``act(W_0·x)·(W_1·x)`` in ``out[0, :rows]`` (``out`` then holds 2·rows).
+
+    ``ops`` are LinearOps over the same input width; one parallel region when they share a
+    family, else one product after another.
+    """
+
+    def __init__(self, ops: list, act: str | None = None) -> None:
+        self.ops = list(ops)
+        self.in_features = self.ops[0].in_features
+        if any(o.in_features != self.in_features for o in self.ops):
+            raise ValueError("a MatvecGroup needs matrices of one input width")
+        self.sizes = [o.out_features for o in self.ops]
+        self.offs = np.cumsum([0] + self.sizes[:-1]).astype(np.int64)
+        self.out_features = int(sum(self.sizes))
+        self.act = NO_ACT if act is None else ACTS[act]
+        if act is not None and (len(self.ops) != 2 or self.sizes[0] != self.sizes[1]):
+            raise ValueError("a gated activation needs two matrices of the same shape (gate, up)")
+        self.width = self.sizes[0] if act is not None else 0
+        self.nbytes = sum(int(getattr(o, "nbytes", 0)) for o in self.ops)
+        fams = {_family(o) for o in self.ops}
+        self.family = fams.pop() if len(fams) == 1 else None
+        self._rows = np.arange(max(self.sizes), dtype=np.int64)
+        if self.family is not None and self.family.startswith("tiled"):
+            o0 = self.ops[0]
+            gpr = self.in_features // 32
+            self._xp = np.empty((1, o0.phases, gpr, o0.width), np.float32)
+            self._xs = np.empty((1, gpr), np.float32)
+            self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
+            self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (
+                "kind", "planes", "sc", "cw", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
+        elif self.family == "q8":
+            self._tup = (tuple(o.q for o in self.ops), tuple(o.s for o in self.ops), tuple(o.col for o in self.ops))
+        elif self.family is not None:
+            self._tup = (tuple(o.w for o in self.ops),)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``."""
+        fam = self.family
+        nt = threads() if parallel_for(self.nbytes) else 1
+        if fam is None:
+            for o, off, n in zip(self.ops, self.offs, self.sizes):
+                out[:, off:off + n] = o(x)
+            if self.act != NO_ACT:
+                apply_act(out, self.width, self.act, 0, self.width)
+        elif fam == "q8":
+            q8_group(*self._tup, self._rows, x, out, self.offs, nt, self.act, self.width)
+        elif fam == "f32":
+            f32_group(self._tup[0], self._rows, x, out, self.offs, nt, self.act, self.width)
+        elif fam.startswith("half"):
+            half_group(self._tup[0], self.ops[0].kind, self._rows, x, out, self.offs, nt, self.act, self.width)
+        else:
+            o0 = self.ops[0]
+            tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, o0.zero, out, self.offs, nt, self.act,
+                        self.width)
+        return out
+
+
+__all__ = ["MatvecGroup", "ACTS"]

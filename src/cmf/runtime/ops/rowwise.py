@@ -1,0 +1,63 @@
+"""Row-parallel elementwise kernels for blocks of tokens (prefill): RMSNorm and the gated activation.
+
+numpy evaluates ``x / (1 + exp(−x)) · u`` over a [512, 3072] block in five passes with four
+temporaries and a scalar exp per element; these run one pass, 16 lanes wide (kernels/vmath.py),
+rows split across threads. The norm is the same float64-accumulated RMSNorm as ops/norm.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ...kernels.vmath import gated
+from .decode import rms_norm_into
+
+_PAR = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True,
+        "fastmath": {"contract", "nsz", "arcp", "reassoc"}}
+_EXACT_PAR = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True}
+# Below this many elements a block runs on one thread.
+PARALLEL_MIN = 1 << 16
+
+
+@numba.njit(**_PAR)
+def _gated_rows(g, u, act, out, nt):  # pragma: no cover - compiled
+    T, n = g.shape
+    step = (T + nt - 1) // nt
+    for j in prange(nt):
+        for t in range(j * step, min(T, (j + 1) * step)):
+            for i in range(n):
+                out[t, i] = gated(g[t, i], u[t, i], act)
+
+
+@numba.njit(**_EXACT_PAR)
+def _norm_rows(x, w, eps, out, nt):  # pragma: no cover - compiled
+    T = x.shape[0]
+    step = (T + nt - 1) // nt
+    for j in prange(nt):
+        t0 = min(T, j * step)
+        t1 = min(T, t0 + step)
+        rms_norm_into(x[t0:t1], w, eps, out[t0:t1])
+
+
+def _threads(size: int) -> int:
+    return numba.get_num_threads() if size >= PARALLEL_MIN else 1
+
+
+def gated_act(g: np.ndarray, u: np.ndarray, act: int) -> np.ndarray:
+    """act(g)·u for [T, n] blocks (act: a kernels.gemv.ACTS code)."""
+    out = np.empty(g.shape, np.float32)
+    _gated_rows(g, u, act, out, _threads(g.size))
+    return out
+
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def rms_norm_rows(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm of each row of x [T, n] (the values of ops.norm.rms_norm_prepared)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.float32)
+    _norm_rows(x, _EMPTY if w is None else w, float(eps), out, _threads(x.size))
+    return out

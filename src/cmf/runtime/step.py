@@ -1,0 +1,142 @@
+"""The one-token decode step: fused products into buffers allocated once per layer.
+
+A decoded token costs one pass over the weights plus, per layer, the calls that drive it. The
+generic path (``Block.__call__``) allocates every intermediate and runs one parallel region per
+matrix; here a dense layer is seven calls into compiled code — q/k/v in one parallel region,
+q/k norm + RoPE + the KV append + attention in one kernel, o, gate/up with the activation in one
+region, down — writing into buffers that live as long as the layer. Features this path does not
+cover (output gates, ``g_proj``, task masks on FFN neurons, MoE, MLA, linear attention) run the
+generic code for that part only, with identical results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.gemv import ACTS, MatvecGroup
+from .ops.decode import attend_decode, qk_norm_rope, rms_norm_into
+
+_EMPTY = np.zeros(0, np.float32)
+_ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
+
+
+def rope_at(profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
+    """cos, sin [rotary_dim] at one position; every layer sharing ``profile`` reuses them."""
+    hit = _ROPE.get(id(profile))
+    if hit is not None and hit[0] is profile and hit[1] == pos:
+        return hit[2], hit[3]
+    cos, sin = profile.cos_sin(np.array([pos]))
+    cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
+    _ROPE[id(profile)] = (profile, pos, cos, sin)
+    return cos, sin
+
+
+def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:
+    """RMSNorm of x [1, n] into ``out`` (``w`` None: no norm, a copy)."""
+    if w is None:
+        out[...] = x
+    else:
+        rms_norm_into(x, w, eps, out)
+    return out
+
+
+class AttnStep:
+    """Grouped-query attention of one token: fused q/k/v, cache append, attention, o."""
+
+    def __init__(self, attn) -> None:  # noqa: ANN001 - blocks.Attention
+        a = attn.a
+        self.attn, self.a = attn, a
+        self.qkv = MatvecGroup([attn.q, attn.k, attn.v])
+        self.o = MatvecGroup([attn.o])
+        self.nq, self.nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        self.buf = np.empty((1, self.qkv.out_features), np.float32)
+        self.att = np.empty((a.heads, a.v_head_dim), np.float32)
+        self.bias = None
+        if attn.qb is not None or attn.kb is not None or attn.vb is not None:
+            parts = [b if b is not None else np.zeros(n, np.float32) for b, n in
+                     ((attn.qb, self.nq), (attn.kb, self.nk), (attn.vb, a.kv_heads * a.v_head_dim))]
+            self.bias = np.concatenate(parts).astype(np.float32)[None]
+        self.qn = attn.qn if attn.qn is not None else _EMPTY
+        self.kn = attn.kn if attn.kn is not None else _EMPTY
+
+    @staticmethod
+    def supports(attn) -> bool:  # noqa: ANN001
+        a = attn.a
+        return not a.output_gate and attn.g is None
+
+    def __call__(self, h: np.ndarray, kv, pos: int, out: np.ndarray) -> np.ndarray:  # noqa: ANN001
+        a, attn = self.a, self.attn
+        buf = self.qkv(h, self.buf)
+        if self.bias is not None:
+            buf += self.bias
+        row = buf[0]
+        q = row[:self.nq].reshape(a.heads, a.head_dim)
+        k = row[self.nq:self.nq + self.nk].reshape(a.kv_heads, a.head_dim)
+        v = row[self.nq + self.nk:].reshape(a.kv_heads, a.v_head_dim)
+        cos, sin = rope_at(a.rope, pos)
+        qk_norm_rope(q, k, self.qn, self.kn, attn.eps, cos, sin)
+        keys, vals, k0 = kv.append(k[None], v[None])
+        att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att)
+        if attn.head_keep is not None:
+            att[~attn.head_keep] = 0
+        self.o(att.reshape(1, -1), out)
+        if attn.ob is not None:
+            out += attn.ob
+        return out
+
+
+class FfnStep:
+    """Dense gated FFN of one token: gate/up and the activation in one region, then down."""
+
+    def __init__(self, ffn) -> None:  # noqa: ANN001 - blocks.DenseFfn
+        self.ffn = ffn
+        self.gate_up = MatvecGroup([ffn.gate, ffn.up], act=ffn.act_name)
+        self.down = MatvecGroup([ffn.down])
+        self.buf = np.empty((1, self.gate_up.out_features), np.float32)
+
+    @staticmethod
+    def supports(ffn) -> bool:  # noqa: ANN001
+        return ffn.act_name in ACTS and ffn.gate.out_features == ffn.up.out_features
+
+    def __call__(self, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if self.ffn._live is not None:  # a task mask: the generic row-restricted path
+            out[...] = self.ffn(h)
+            return out
+        self.gate_up(h, self.buf)
+        return self.down(self.buf[:, :self.gate_up.width], out)
+
+
+class BlockStep:
+    """Per-layer buffers and the fused parts of one decoder layer."""
+
+    def __init__(self, block, n: int) -> None:  # noqa: ANN001 - blocks.Block
+        from .blocks import Attention, DenseFfn
+
+        self.block = block
+        self.h = np.empty((1, n), np.float32)
+        self.a = np.empty((1, n), np.float32)
+        self.f = np.empty((1, n), np.float32)
+        m, f = block.mixer, block.ffn
+        self.attn = AttnStep(m) if isinstance(m, Attention) and AttnStep.supports(m) else None
+        self.ffn = FfnStep(f) if isinstance(f, DenseFfn) and FfnStep.supports(f) else None
+
+    def __call__(self, x: np.ndarray, state, pos: int) -> np.ndarray:  # noqa: ANN001
+        """Advance x [1, hidden] through the layer in place."""
+        b = self.block
+        eps = b.eps
+        h = norm_into(x, b.n_in, eps, self.h)
+        if self.attn is not None:
+            a = self.attn(h, state, pos, self.a)
+        else:
+            a = b.mixer(h, state, pos)
+        if b.plan.sandwich:
+            x += norm_into(a, b.n_post_attn, eps, self.a)
+            h = norm_into(x, b.n_pre_ffn, eps, self.h)
+        else:
+            x += a
+            h = norm_into(x, b.n_post_attn, eps, self.h)
+        f = self.ffn(h, self.f) if self.ffn is not None else b.ffn(h)
+        if b.plan.sandwich:
+            f = norm_into(f, b.n_post_ffn, eps, self.f)
+        x += f
+        return x
