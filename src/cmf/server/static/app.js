@@ -121,15 +121,20 @@
         }
       }
     };
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      // stream: true keeps a UTF-8 character split across network chunks whole.
-      buffer += decoder.decode(value, { stream: true });
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        // stream: true keeps a UTF-8 character split across network chunks whole.
+        buffer += decoder.decode(value, { stream: true });
+        yield* takeLines();
+      }
+      buffer += decoder.decode() + "\n\n";
       yield* takeLines();
+    } finally {
+      // The reader stopped early (an error event, [DONE]): let go of the connection.
+      reader.cancel().catch(() => {});
     }
-    buffer += decoder.decode() + "\n\n";
-    yield* takeLines();
   }
 
   // ------------------------------------------------------------------------------ API key
