@@ -44,6 +44,7 @@ from test_server import _tiny_qwen3  # noqa: E402  (the same numpy-only checkpoi
 from cmf.convert import convert  # noqa: E402
 from cmf.format.growth import append  # noqa: E402
 from cmf.format.masks import MaskSet, TaskMask  # noqa: E402
+from cmf.runtime.routing import fit_selection  # noqa: E402
 
 KEY = "webui-key"
 MODEL_ID = "tiny"
@@ -69,7 +70,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"no {_MISSING} on PATH: 
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny qwen3 at q8, context 32k, with a skill whose quality was "measured" (fixture
     numbers), a measured task mask and an unmeasured one."""
     root = tmp_path_factory.mktemp("webui")
@@ -87,8 +88,11 @@ def model_path(tmp_path_factory) -> Path:
         TaskMask(task_id=1, name="half", ffn=rng.random((2, 96)) < 0.5, heads=np.ones((2, 4), bool),
                  gates=np.ones(2, bool), priority="Normal", quality={"metric": "heldout_ppl_ratio", "value": 1.1})])
     quality = {"metric": "ppl", "backbone": 412.5, "overlaid": 398.25, "file": "fixture.txt", "tokens": 64}
+    # A routing subspace makes the skill routable, so that "auto" has a winner to report.
+    selection = fit_selection(rng.standard_normal((4, 64)), phi_layer=1, rank=2, skill="terse")
     append(out, [("skill.terse.lm_head.weight", "f32", head.shape, head.tobytes())],
-           {"skills": [{"id": "terse", "name": "Terse", "layers": [], "quality": quality}]}, masks=masks)
+           {"skills": [{"id": "terse", "name": "Terse", "layers": [], "quality": quality,
+                        "selection": selection}]}, masks=masks)
     return out
 
 
@@ -113,6 +117,7 @@ class Served:
             return e.code, json.loads(e.read())
 
     def health(self) -> dict[str, Any]:
+        """The engine block of /health (busy, waiting, cancelled, completion_tokens, ...)."""
         return self.call("GET", "/health", key=None)[1]["engine"]
 
     def wait_idle(self, timeout: float = 15.0) -> bool:
@@ -134,7 +139,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(model_path, tmp_path_factory) -> Iterator[Served]:
+def served(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`cmf serve` on the tiny model, port 0, with an API key; stopped with Ctrl-C (SIGINT)."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--alias", MODEL_ID,
            "--api-key", KEY, "--max-queue", "4"]
@@ -161,7 +167,8 @@ def served(model_path, tmp_path_factory) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Iterator[Any]:
+def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Headless Chromium with a fresh profile, driven through the system's chromedriver."""
     options = webdriver.ChromeOptions()
     options.binary_location = BROWSER
     for flag in CHROME_FLAGS:
@@ -178,7 +185,7 @@ def driver(tmp_path_factory) -> Iterator[Any]:
 
 
 @pytest.fixture
-def page(driver, served) -> Any:
+def page(driver: Any, served: Served) -> Any:
     """The chat page with a fresh conversation and the API key already stored."""
     driver.set_window_size(1280, 800)
     driver.get(served.url + "/")
@@ -192,10 +199,12 @@ def page(driver, served) -> Any:
 
 
 def _wait(d: Any, what: Callable[[Any], Any], timeout: float = 20.0, message: str = "") -> Any:
+    """What ``what(d)`` returns once it is truthy (polled every 50 ms), or a TimeoutException."""
     return WebDriverWait(d, timeout, poll_frequency=0.05).until(what, message)
 
 
 def _wait_model(d: Any) -> None:
+    """Wait until the model panel shows the model card."""
     _wait(d, lambda d: d.find_element(By.ID, "model-facts").text.strip(), message="the model panel stayed empty")
 
 
@@ -223,6 +232,7 @@ def _set(d: Any, element_id: str, value: str) -> None:
 
 
 def _send(d: Any, text: str) -> None:
+    """Type a message and press Enter."""
     box = d.find_element(By.ID, "prompt")
     box.send_keys(text)
     box.send_keys(Keys.ENTER)
@@ -251,6 +261,7 @@ def _spy_requests(d: Any) -> None:
 
 
 def _screenshot_path(tmp_path: Path) -> Path:
+    """Where the screenshot goes: ``$CMF_WEBUI_SCREENSHOT``, else the test's tmp dir."""
     return Path(os.environ.get("CMF_WEBUI_SCREENSHOT") or tmp_path / "webui.png")
 
 
@@ -356,25 +367,25 @@ def test_skill_choice_is_sent_and_reported(page, served):
     assert reply["text"] == served.greedy([{"role": "user", "content": "use the skill"}], 12, cmf={"skill": "terse"})
     assert reply["text"] != served.greedy([{"role": "user", "content": "use the skill"}], 12)
 
-    # "auto" routes; no skill of this file is routable, so the backbone wins, and the page says so
+    # "auto" routes (terse is the only routable skill, so it wins), and the page says what won
     Select(page.find_element(By.ID, "skill")).select_by_value("auto")
     Select(page.find_element(By.ID, "task")).select_by_value("half")
     _send(page, "route me")
     reply = _finished_reply(page, 4)
     assert page.execute_script("return window.__sent")[-1]["cmf"] == {"task": "half", "skill": "auto"}
-    assert "skill: auto → backbone" in reply["stats"] and "task: half" in reply["stats"]
+    assert "skill: auto → terse" in reply["stats"] and "task: half" in reply["stats"]
     # the choice belongs to the conversation: it survives a reload
     page.refresh()
     _wait_model(page)
     assert Select(page.find_element(By.ID, "skill")).first_selected_option.get_attribute("value") == "auto"
     assert Select(page.find_element(By.ID, "task")).first_selected_option.get_attribute("value") == "half"
-    # the auto blend goes out as cmf.blend (nothing routable here either: the backbone alone)
+    # the auto blend goes out as cmf.blend; the page shows the weights the router chose
     _spy_requests(page)
     Select(page.find_element(By.ID, "skill")).select_by_value("blend:auto")
     _send(page, "blend me")
     reply = _finished_reply(page, 6)
     assert page.execute_script("return window.__sent")[-1]["cmf"] == {"task": "half", "blend": "auto"}
-    assert "auto → backbone" in reply["stats"] and reply["error"] == ""
+    assert "blend (auto): terse 1.00" in reply["stats"] and reply["error"] == ""
 
 
 def test_stop_cancels_the_generation(page, served):
