@@ -47,7 +47,7 @@ def as_batch(x: np.ndarray, cols: int) -> tuple[np.ndarray, bool]:
 class FusedLinear:
     """y = x @ W.T straight from a stored payload (see the module docstring)."""
 
-    fused_max_t = 4  # batches up to this size use the fused kernel (overridden per family)
+    fused_max_t = 8  # batches up to this size use the fused kernel (overridden per family)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001 - a cmf QTensor
         if len(tensor.shape) != 2:
@@ -132,7 +132,15 @@ class FusedLinear:
         return max(8, min(1024, TILE_BYTES // max(4 * self.in_features, 1)))
 
     def _batched(self, X: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Prefill: dequantize a tile of rows into a reused buffer, then BLAS sgemm per tile."""
+        """Prefill: dequantize a tile of rows into a reused buffer, then BLAS sgemm per tile.
+
+        Families with a per-thread dequantize + sgemm kernel (``kernels.gemm``: OpenBLAS called
+        from the numba threads, one thread pool) use it for whole matrices."""
+        if rows is None:
+            from . import gemm  # lazy: gemm builds on the family modules
+
+            if gemm.supported(self):
+                return gemm.matmul(self, X)
         n = self.out_features if rows is None else rows.size
         T = X.shape[0]
         Yt = np.empty((n, T), np.float32)

@@ -170,7 +170,7 @@ class F32Linear(FusedLinear):
 class HalfLinear(FusedLinear):
     """f16 / bf16: converted in registers, never widened in memory."""
 
-    fused_max_t = 4
+    fused_max_t = 8  # measured crossover with dequantize + sgemm: T ~ 8-10 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)

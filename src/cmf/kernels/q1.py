@@ -22,6 +22,7 @@ from numba import prange
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
 from ..quant.q1 import TERNARY_LUT
+from ..quant import _fast
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
 from ._jit import PARALLEL, SERIAL, f16_at, threads
@@ -82,6 +83,23 @@ def q1_rows_all(kind, tiles, lut, ptr, ent, X, Y, rows):  # pragma: no cover - c
     q1_rows(kind, tiles, lut, ptr, ent, X, group_sums(X), Y, rows, 0, rows.shape[0])
 
 
+@numba.njit(**SERIAL)
+def overlay_rows(kind, ptr, ent, r0, r1, cols, out):  # pragma: no cover - compiled
+    """Apply rows r0..r1's overlay entries to their decoded base in ``out`` (row r at r - r0):
+    q1s entries replace the base value, q1t entries are added to it."""
+    for r in range(r0, r1):
+        for e in range(ptr[r], ptr[r + 1]):
+            if kind == Q1T:
+                p = 4 * e
+                c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
+                out[r - r0, c] += f16_at(ent, p + 2)
+            else:
+                p = 6 * e
+                flat = (np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8) | (np.int64(ent[p + 2]) << 16)
+                        | (np.int64(ent[p + 3]) << 24))
+                out[r - r0, flat - r * cols] = f16_at(ent, p + 4)
+
+
 def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(per-row entry ranges, entry bytes) of a q1s payload, entries strictly increasing."""
     rows, cols = shape
@@ -100,7 +118,7 @@ def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[n
 class Q1Linear(FusedLinear):
     """``q1`` / ``q1s`` / ``q1t``."""
 
-    fused_max_t = 4
+    fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -122,6 +140,16 @@ class Q1Linear(FusedLinear):
                 self.ptr = np.zeros(rows + 1, np.int64)
                 self.ent = np.zeros(0, np.uint8)
         self.all_rows = np.arange(rows, dtype=np.int64)
+
+    def _dequant(self, r0, r1, out, par):
+        gpr = self.in_features // GROUP
+        tiles = self.tiles[r0:r1].reshape(-1, self.tiles.shape[2])
+        groups = out.reshape(-1, GROUP)
+        if self.kind == Q1T:
+            _fast._q1t_range(tiles, _fast.F16_TABLE, TERNARY_LUT, groups, 0, (r1 - r0) * gpr)
+        else:
+            _fast._q1_range(tiles, _fast.F16_TABLE, groups, 0, (r1 - r0) * gpr)
+        overlay_rows(self.kind, self.ptr, self.ent, r0, r1, self.in_features, out)
 
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)

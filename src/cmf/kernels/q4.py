@@ -362,7 +362,7 @@ def _exp2_table() -> np.ndarray:
 class TiledLinear(FusedLinear):
     """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles."""
 
-    fused_max_t = 2
+    fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 24-32 at 4096² (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -459,6 +459,10 @@ class TiledLinear(FusedLinear):
     def _batched(self, X, rows):
         if rows is not None or not self.ntiles:
             return super()._batched(X, rows)
+        from . import gemm  # lazy: gemm builds on this module
+
+        if gemm.supported(self):
+            return gemm.matmul(self, X)
         # whole tiles, dequantized transposed ([in, k·R]) so BLAS reads them as W.T
         T = X.shape[0]
         Yt = np.empty((self.out_features, T), np.float32)

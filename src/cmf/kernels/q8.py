@@ -113,7 +113,7 @@ def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
 class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
 
-    fused_max_t = 4
+    fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)

@@ -16,6 +16,7 @@ from numba import prange
 
 from ..format.constants import GROUP
 from ..format.dtypes import vbit_layout
+from ..quant import _fast
 from ._base import FusedLinear
 from ._ir import vbit_dot3, vbit_dot4, vbit_dot5, vbit_dot6, vbit_dot8
 from ._jit import PARALLEL, SERIAL, threads
@@ -82,7 +83,7 @@ def group_sums(X):  # pragma: no cover - compiled
 class VbitLinear(FusedLinear):
     """``vbit`` / ``vbit_ro``."""
 
-    fused_max_t = 4
+    fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -94,6 +95,12 @@ class VbitLinear(FusedLinear):
         self.widths = widths
         self.starts = np.ascontiguousarray(starts[:-1])
         self.all_rows = np.arange(self.out_features, dtype=np.int64)
+
+    def _dequant(self, r0, r1, out, par):
+        # the codec's numba decoder on a row range: pass it the rows' widths/starts/scales from r0
+        gpr = self.in_features // GROUP
+        _fast._vbit_range(self.data, self.widths[r0:r1], self.starts[r0:r1], self.soff + 2 * r0 * gpr,
+                          _fast.F16_TABLE, self.in_features, out, 0, r1 - r0)
 
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)
