@@ -1,0 +1,193 @@
+"""The speed paths (issue 7) against the plain ones: prefill sgemm, grouped decode mat-vecs, the
+vector exp, blocked and one-token attention, row-parallel norm and activation.
+
+Each fast path has a plain counterpart that the HF parity tests already pin: the reference
+LinearOps, ``ops.attention.attend``, ``ops.norm.rms_norm_prepared``, ``ops.activations``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+import cmf.quant as q
+from cmf.format.reader import open as cmf_open
+from cmf.format.writer import CmfWriter
+from cmf.kernels import gemm, prepare
+from cmf.kernels.gemv import ACTS, MatvecGroup
+from cmf.kernels.reference import ReferenceLinear
+from cmf.kernels.vmath import exp_f32, gated, tanh_f32
+from cmf.runtime.ops import activations, attention_block, decode, rowwise
+from cmf.runtime.ops.attention import attend
+from cmf.runtime.ops.norm import rms_norm_prepared
+
+from _builders import header
+
+DTYPES = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q4tp", "q2tp", "vbit"]
+# (rows, in): a tail past the 64-row tiles, exact tiles, rows not a multiple of four
+SHAPES = {"a": (200, 96), "b": (128, 256), "c": (37, 64)}
+TOL = 1e-5
+
+
+def _close(got: np.ndarray, want: np.ndarray, tol: float = TOL) -> None:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = max(float(np.abs(want).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - want).max()) / scale
+    assert err <= tol, f"relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fast") / "m.cmf"
+    rng = np.random.default_rng(0)
+    with CmfWriter(path, header()) as w:
+        for tag, shape in SHAPES.items():
+            for k in range(3):
+                m = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+                for name in DTYPES:
+                    w.add(f"{name}.{tag}{k}", name, shape, q.encode(m, name))
+    f = cmf_open(path)
+    yield f
+    f.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tag", list(SHAPES))
+@pytest.mark.parametrize("name", DTYPES)
+def test_prefill_gemm_matches_reference(model, name, tag, threads) -> None:
+    t = model.tensor(f"{name}.{tag}0")
+    op = prepare(t)
+    w = ReferenceLinear(t).dense().astype(np.float64)
+    X = np.random.default_rng(1).standard_normal((37, t.shape[1])).astype(np.float32)
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        _close(gemm.matmul(op, X), X @ w.T)
+        out = np.full((37, t.shape[0]), np.nan, np.float32)
+        assert gemm.matmul(op, X, out) is out
+        _close(out, X @ w.T)
+    finally:
+        numba.set_num_threads(old)
+    assert gemm.supported(op) == (name not in ("f32", "vbit"))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("tag", list(SHAPES))
+@pytest.mark.parametrize("name", DTYPES)
+def test_matvec_groups_match_the_ops(model, name, tag, parallel, monkeypatch) -> None:
+    from cmf.kernels import _jit
+
+    if parallel:
+        monkeypatch.setattr(_jit, "PARALLEL_MIN_BYTES", 0)
+    ops = [prepare(model.tensor(f"{name}.{tag}{k}")) for k in range(3)]
+    x = np.random.default_rng(2).standard_normal((1, ops[0].in_features)).astype(np.float32)
+    want = np.concatenate([np.asarray(o(x[0]), np.float64) for o in ops])
+    g = MatvecGroup(ops)
+    out = np.full((1, g.out_features), np.nan, np.float32)
+    _close(g(x, out)[0], want)
+    for act, fn in (("silu", activations.silu), ("gelu_pytorch_tanh", activations.gelu_tanh),
+                    ("gelu", activations.gelu_erf), ("relu", activations.relu)):
+        gu = MatvecGroup(ops[:2], act=act)
+        buf = np.full((1, gu.out_features), np.nan, np.float32)
+        gu(x, buf)
+        g0, u0 = ops[0](x[0]).astype(np.float64), ops[1](x[0]).astype(np.float64)
+        _close(buf[0, :gu.width], fn(g0) * u0, 1e-5)
+
+
+def test_mixed_family_group_falls_back(model) -> None:
+    ops = [prepare(model.tensor("q8_row.b0")), prepare(model.tensor("f16.b1")), prepare(model.tensor("vbit.b2"))]
+    g = MatvecGroup(ops)
+    assert g.family is None
+    x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
+    out = np.empty((1, g.out_features), np.float32)
+    _close(g(x, out)[0], np.concatenate([o(x[0]) for o in ops]).astype(np.float64))
+    with pytest.raises(ValueError):
+        MatvecGroup(ops[:1], act="silu")
+
+
+def test_vector_exp_and_activations() -> None:
+    @numba.njit
+    def run(x, e, t, s):
+        for i in range(x.shape[0]):
+            e[i] = exp_f32(x[i])
+            t[i] = tanh_f32(x[i])
+            s[i] = gated(x[i], np.float32(1), 0)
+
+    x = np.concatenate([np.linspace(-87, 88, 400001, dtype=np.float32),
+                        np.array([-1e4, 1e4, np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)])
+    e, t, s = (np.empty_like(x) for _ in range(3))
+    run(x, e, t, s)
+    ref = np.exp(x[:-7].astype(np.float64))
+    assert (np.abs(e[:-7] - ref) / ref).max() < 4e-7
+    assert e[-7] == 0 and e[-6] == np.inf and e[-5] == np.inf and e[-4] == 0 and np.isnan(e[-3]) and e[-2] == 1
+    assert np.abs(t[:-7] - np.tanh(x[:-7].astype(np.float64))).max() < 3e-7
+    assert np.abs(s[:-7] - activations.silu(x[:-7].astype(np.float64))).max() < 1e-6 * 88
+
+
+def _qkv(t, s, h=8, kv=2, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((t, h, d)).astype(np.float32), rng.standard_normal((s, kv, d)).astype(np.float32),
+            rng.standard_normal((s, kv, d)).astype(np.float32))
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (40, 2.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_attention_matches_numpy(window, softcap, threads) -> None:
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for t, s, q0, k0 in ((100, 100, 0, 0), (70, 130, 60, 0), (9, 30, 25, 4), (130, 130, 3, 3)):
+            q, k, v = _qkv(t, s)
+            want = attend(q, k, v, q0, k0, scale=0.25, window=window, softcap=softcap)
+            got = attention_block.attend_blocked(q, k, v, q0, k0, scale=0.25, window=window, softcap=softcap)
+            _close(got, want.astype(np.float64), 2e-6)
+    finally:
+        numba.set_num_threads(old)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 3.0)])
+def test_one_token_attention_matches_numpy(window, softcap, monkeypatch) -> None:
+    for s, k0 in ((1, 0), (50, 0), (20, 31)):
+        q, k, v = _qkv(1, s, seed=s)
+        pos = k0 + s - 1
+        want = attend(q, k, v, pos, k0, scale=0.25, window=window, softcap=softcap)[0]
+        for par in (False, True):
+            monkeypatch.setattr(decode, "PARALLEL_ATTEND", 0 if par else 1 << 62)
+            got = decode.attend_decode(q[0], k, v, pos, k0, 0.25, window, softcap, np.empty((8, 16), np.float32))
+            _close(got, want.astype(np.float64), 2e-6)
+
+
+def test_row_kernels_match_numpy() -> None:
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((300, 256)) * 3).astype(np.float32)
+    w = rng.standard_normal(256).astype(np.float32)
+    want = rms_norm_prepared(x, w, 1e-6)
+    got = rowwise.rms_norm_rows(x, w, 1e-6)
+    assert np.abs(got - want).max() <= 2 * np.spacing(np.abs(want).max())
+    _close(rowwise.rms_norm_rows(x, None, 1e-6), rms_norm_prepared(x, None, 1e-6).astype(np.float64))
+    one = np.empty((1, 256), np.float32)
+    decode.rms_norm_into(x[:1], w, 1e-6, one)
+    assert np.array_equal(one, got[:1])
+    g, u = x, (rng.standard_normal((300, 256))).astype(np.float32)
+    for name, code in ACTS.items():
+        fn = activations.ACTIVATIONS[name]
+        _close(rowwise.gated_act(g, u, code), fn(g.astype(np.float64)) * u, 2e-6)
+
+
+def test_qk_norm_rope_matches_numpy() -> None:
+    from cmf.runtime.ops.rope import apply_rope, build_rope
+
+    rope = build_rope(10000.0, 16, partial=0.5)
+    cos, sin = rope.cos_sin(np.array([37]))
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((2, 16)).astype(np.float32)
+    qn, kn = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    wq = apply_rope(rms_norm_prepared(q, qn, 1e-6)[None].copy(), cos, sin)[0]
+    wk = apply_rope(rms_norm_prepared(k, kn, 1e-6)[None].copy(), cos, sin)[0]
+    decode.qk_norm_rope(q, k, qn, kn, 1e-6, np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0]))
+    _close(q, wq.astype(np.float64), 1e-6)
+    _close(k, wk.astype(np.float64), 1e-6)
+    assert math.isfinite(float(q.sum()))
