@@ -203,7 +203,11 @@ def test_masked_out_ffn_rows_are_never_read(qwen3, tmp_path):
             got = m.logits(ids)
             cache = m.new_cache()
             step = m.forward(ids[:1], cache)
-        assert np.isfinite(got).all() and np.array_equal(got, ref)
+        assert np.isfinite(got).all()
+        if kernels:  # numpy's one sgemm vs the fused path's per-thread sgemm: last-bit differences
+            np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        else:
+            assert np.array_equal(got, ref)
         np.testing.assert_allclose(step[0], ref[0], atol=1e-5, rtol=0)
     with cmf.load(nan_file) as m:  # the unmasked model does read them
         assert np.isnan(m.logits(ids[:4])).all()

@@ -3,12 +3,15 @@
 Each numba thread owns one contiguous chunk of output rows. It dequantizes ``R`` rows at a time
 into its own buffer (sized to stay in its L2) and multiplies them with single-threaded OpenBLAS
 sgemm (``kernels/blas.py``), writing straight into its column block of ``Y`` (``ldc = out``): no
-transposed result, no second thread pool, no f32 copy of the matrix. The 4-bit family dequantizes whole 64-row tiles
+transposed result, no second thread pool, no f32 copy of the matrix. f32 weights are multiplied
+in place (each thread's mapped rows are its operand). The 4-bit family dequantizes whole 64-row tiles
 transposed (contiguous on both sides, see q4.py) and multiplies them untransposed.
 
-f32 weights are not handled here: their product stays numpy's sgemm on the mapped view, so the
-fused and the reference path give the same bits (a split by row chunks changes OpenBLAS's
-blocking and the last bit). Where numpy's BLAS has no reachable ``cblas_sgemm``
+f32 goes this way too although numpy's sgemm on the mapped view would need no kernel: OpenBLAS's
+own threads keep spinning ~0.1 s after each call and starve the numba regions that follow
+(measured: f32 prefill-512 268 t/s through np.dot, norms and attention 3-10x slower). The row
+split changes OpenBLAS's edge blocking, so f32 results differ from the reference path's
+``x @ W.T`` in the last bits. Where numpy's BLAS has no reachable ``cblas_sgemm``
 (``SGEMM.addr == 0``), or for dtype families without a dequantizer here (vbit, q1),
 :func:`matmul` falls back to the LinearOp's own batched path.
 """
@@ -21,7 +24,7 @@ from numba import prange
 
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL_ORDERED, scratch, threads
 from .blas import NO_TRANS, SGEMM, TRANS, sgemm, single_threaded
-from .floats import HalfLinear, half_dequant
+from .floats import F32Linear, HalfLinear, half_dequant
 from .q4 import R as TILE_R
 from .q4 import TiledLinear, decode_rows, tiles_dequant_t
 from .q8 import Q8Linear, q8_dequant
@@ -37,6 +40,17 @@ def _chunk(n, nt, j, align):  # pragma: no cover - compiled
     step = ((n + nt - 1) // nt + align - 1) // align * align
     r0 = min(n, j * step)
     return r0, min(n, r0 + step)
+
+
+@numba.njit(**PARALLEL)
+def f32_gemm(addr, ilp64, w, X, Y, nt):  # pragma: no cover - compiled
+    """Y = X @ w.T with w the mapped f32 rows: one sgemm per thread on its rows."""
+    T, k = X.shape
+    n = w.shape[0]
+    for j in prange(nt):
+        r0, r1 = _chunk(n, nt, j, 16)
+        if r1 > r0:
+            sgemm(addr, ilp64, TRANS, T, r1 - r0, k, X, k, w[r0:], k, Y[:, r0:], n)
 
 
 @numba.njit(**PARALLEL)
@@ -111,7 +125,7 @@ def _step_rows(in_features: int, align: int) -> int:
 
 def supported(op) -> bool:  # noqa: ANN001
     """Whether :func:`matmul` has a threaded sgemm path for this LinearOp."""
-    return bool(SGEMM.addr) and isinstance(op, (HalfLinear, Q8Linear, TiledLinear))
+    return bool(SGEMM.addr) and isinstance(op, (F32Linear, HalfLinear, Q8Linear, TiledLinear))
 
 
 def matmul(op, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:  # noqa: ANN001
@@ -132,7 +146,9 @@ def matmul(op, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:  # n
     nt = threads()
     a, w64 = SGEMM.addr, SGEMM.ilp64
     with single_threaded():
-        if isinstance(op, HalfLinear):
+        if isinstance(op, F32Linear):
+            f32_gemm(a, w64, op.w, X, Y, nt)
+        elif isinstance(op, HalfLinear):
             half_gemm(a, w64, op.w, op.kind, op.all_rows, X, Y, _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         elif isinstance(op, Q8Linear):
             q8_gemm(a, w64, op.q, op.s, op.col, op.all_rows, X, Y, _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
