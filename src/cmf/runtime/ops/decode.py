@@ -83,15 +83,18 @@ def qk_norm_rope(q, k, qn, kn, eps, cos, sin):  # pragma: no cover - compiled
 
 @numba.njit(**_FAST)
 def _attend_head(q, keys, vals, h, group, lo, hi, scale, softcap, out, p):  # pragma: no cover - compiled
-    """Query heads h·group … h·group+group-1 over cache entries [lo, hi) of KV head h."""
+    """Query heads h·group … h·group+group-1 over cache entries [lo, hi) of KV head h.
+
+    Each key and value row is loaded once for the whole group; the exp and normalisation passes
+    are plain loops over the scores, so they vectorize."""
     d = q.shape[1]
     dv = vals.shape[2]
     n = hi - lo
-    for g in range(group):
-        qh = q[h * group + g]
-        m = -np.inf
-        for s in range(n):
-            kr = keys[lo + s, h]
+    mx = np.full(group, -np.inf, np.float32)  # running max per query head (no separate pass:
+    for s in range(n):                         # a max reduction does not vectorize without nnan)
+        kr = keys[lo + s, h]
+        for g in range(group):
+            qh = q[h * group + g]
             acc = np.float32(0)
             for i in range(d):
                 acc += qh[i] * kr[i]
@@ -99,17 +102,23 @@ def _attend_head(q, keys, vals, h, group, lo, hi, scale, softcap, out, p):  # pr
             if softcap > 0:
                 acc = np.tanh(acc / softcap) * softcap
             p[g, s] = acc
-            m = max(m, acc)
+            mx[g] = max(mx[g], acc)
+    for g in range(group):
+        pg = p[g]
+        m = mx[g]
         tot = np.float32(0)
         for s in range(n):
-            e = exp_f32(p[g, s] - m)
-            p[g, s] = e
+            e = exp_f32(pg[s] - m)
+            pg[s] = e
             tot += e
-        o = out[h * group + g]
-        o[:] = 0
         for s in range(n):
-            w = p[g, s] / tot
-            vr = vals[lo + s, h]
+            pg[s] = pg[s] / tot
+        out[h * group + g, :] = 0
+    for s in range(n):
+        vr = vals[lo + s, h]
+        for g in range(group):
+            w = p[g, s]
+            o = out[h * group + g]
             for i in range(dv):
                 o[i] += w * vr[i]
 
