@@ -20,7 +20,8 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, bf16_to_f32, f16_to_f32, int8_f32, parallel_for, threads
+from . import _jit
+from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bf16_to_f32, f16_to_f32, int8_f32, threads
 from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
 from .q4 import TiledLinear, _tail_rows, split_x, tiles_run
@@ -121,16 +122,59 @@ def spread_rows(w, kind, s, x, y, r0, r1):  # pragma: no cover - compiled
         y[r] = a * s[r] if scaled else a
 
 
+@numba.njit(**SERIAL)
+def _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width):  # pragma: no cover - compiled
+    """Thread j's share: its chunk of rows of every matrix, then the activation of its gate rows."""
+    for m in range(len(ws)):
+        r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
+        spread_rows(ws[m], kind, ss[m], _fold(X, cols[m])[0], Y[0, offs[m]:], r0, r1)
+    if act >= 0:
+        r0, r1 = _chunk(width, nt, j, 4)
+        apply_act(Y, width, act, r0, r1)
+
+
 @numba.njit(**PARALLEL)
 def rows_group(ws, kind, ss, cols, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
     """Every matrix of ``ws`` (one dtype family) times X[0], one chunk of rows per thread."""
     for j in prange(nt):
-        for m in range(len(ws)):
-            r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
-            spread_rows(ws[m], kind, ss[m], _fold(X, cols[m])[0], Y[0, offs[m]:], r0, r1)
-        if act >= 0:
-            r0, r1 = _chunk(width, nt, j, 4)
-            apply_act(Y, width, act, r0, r1)
+        _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width)
+
+
+@numba.njit(**SERIAL)
+def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no cover - compiled
+    """:func:`rows_group` on the calling thread (no parallel region to start: small products)."""
+    _rows_chunk(ws, kind, ss, cols, X, Y, offs, 1, 0, act, width)
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs, nt, j,
+                 act, width, has_tail):  # pragma: no cover - compiled
+    for m in range(len(planes)):
+        t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
+        tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], params[m], exp2tabs[m], readys[m],
+                  srcs[m], scss[m], css[m], xp, xs, Y[:, offs[m]:])
+    if act >= 0 and not has_tail:
+        t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
+        apply_act(Y, width, act, t0 * TILE_R, t1 * TILE_R)
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width):  # pragma: no cover
+    """Rows past the last whole tile of each matrix (decoded from the stored layout), then the
+    activation over all rows when the gate has such rows."""
+    for m in range(len(tails)):
+        if tails[m].shape[0]:
+            _tail_rows(X, tails[m], kinds[m], srcs[m], scss[m], css[m], params[m], exp2tabs[m], Y[:, offs[m]:])
+    if act >= 0:
+        apply_act(Y, width, act, 0, width)
+
+
+@numba.njit(**SERIAL)
+def _any_tail(tails):  # pragma: no cover - compiled
+    for m in range(len(tails)):
+        if tails[m].shape[0]:
+            return True
+    return False
 
 
 @numba.njit(**PARALLEL_ORDERED)
@@ -138,25 +182,24 @@ def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss,
                 zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
     """The 4-bit family: every matrix shares one regrouped x (same code width)."""
     split_x(X, xp, xs, zero)
-    has_tail = False
-    for m in range(len(planes)):
-        if tails[m].shape[0]:
-            has_tail = True
+    has_tail = _any_tail(tails)
     for j in prange(nt):
-        for m in range(len(planes)):
-            t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
-            tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], params[m], exp2tabs[m], readys[m],
-                      srcs[m], scss[m], css[m], xp, xs, Y[:, offs[m]:])
-        if act >= 0 and not has_tail:
-            t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
-            apply_act(Y, width, act, t0 * TILE_R, t1 * TILE_R)
+        _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs,
+                     nt, j, act, width, has_tail)
     if has_tail:
-        for m in range(len(planes)):
-            if tails[m].shape[0]:
-                _tail_rows(X, tails[m], kinds[m], srcs[m], scss[m], css[m], params[m], exp2tabs[m],
-                           Y[:, offs[m]:])
-        if act >= 0:
-            apply_act(Y, width, act, 0, width)
+        _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
+
+
+@numba.njit(**SERIAL_ORDERED)
+def tiled_group_serial(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp,
+                       xs, zero, Y, offs, act, width):  # pragma: no cover - compiled
+    """:func:`tiled_group` on the calling thread."""
+    split_x(X, xp, xs, zero)
+    has_tail = _any_tail(tails)
+    _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs, 1, 0,
+                 act, width, has_tail)
+    if has_tail:
+        _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
 
 def _family(op) -> str | None:  # noqa: ANN001
@@ -213,21 +256,33 @@ class MatvecGroup:
                 ws, ss, cols = tuple(o.w for o in self.ops), (none,) * len(self.ops), (none,) * len(self.ops)
             self._tup = (ws, kind, ss, cols)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``."""
+    def __call__(self, x: np.ndarray, out: np.ndarray, nt: int | None = None) -> np.ndarray:
+        """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``.
+
+        ``nt``: the thread count (numba's current one when None; a token step reads it once)."""
         fam = self.family
-        nt = threads() if parallel_for(self.nbytes) else 1
+        if nt is None:
+            nt = threads()
+        if nt > 1 and self.nbytes < _jit.PARALLEL_MIN_BYTES:
+            nt = 1
         if fam is None:
             for o, off, n in zip(self.ops, self.offs, self.sizes):
                 out[:, off:off + n] = o(x)
             if self.act != NO_ACT:
                 apply_act(out, self.width, self.act, 0, self.width)
         elif fam in ("q8", "f32") or fam.startswith("half"):
-            rows_group(*self._tup, x, out, self.offs, nt, self.act, self.width)
+            if nt > 1:
+                rows_group(*self._tup, x, out, self.offs, nt, self.act, self.width)
+            else:
+                rows_group_serial(*self._tup, x, out, self.offs, self.act, self.width)
         else:
-            o0 = self.ops[0]
-            tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, o0.zero, out, self.offs, nt, self.act,
-                        self.width)
+            zero = self.ops[0].zero
+            if nt > 1:
+                tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, zero, out, self.offs, nt, self.act,
+                            self.width)
+            else:
+                tiled_group_serial(*self._tup, self._tiles, x, self._xp, self._xs, zero, out, self.offs, self.act,
+                                   self.width)
         return out
 
 

@@ -329,15 +329,16 @@ class Block:
     def _n(self, x: np.ndarray, w: np.ndarray | None) -> np.ndarray:
         return rms_norm_rows(x, w, self.eps) if w is not None else x
 
-    def step(self, x: np.ndarray, state, pos: int) -> np.ndarray:
-        """One token: x [1, hidden] advanced in place through the fused decode path (step.py)."""
+    def step(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:
+        """One token: x [1, hidden] advanced in place through the fused decode path (step.py),
+        its products on ``nt`` threads."""
         if not self.alive:
             return x
         if self._step is None:
             from .step import BlockStep
 
             self._step = BlockStep(self, x.shape[1])
-        return self._step(x, state, pos)
+        return self._step(x, state, pos, nt)
 
     def __call__(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
         if not self.alive:

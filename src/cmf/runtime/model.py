@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import numba
 import numpy as np
 
 from ..format.errors import CmfError, NotRunnable
@@ -372,8 +373,9 @@ class Model:
         pos0 = cache.pos
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
             x = np.ascontiguousarray(x, dtype=np.float32)
+            nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
             for block, state in zip(self._blocks, cache.layers):
-                block.step(x, state, pos0)
+                block.step(x, state, pos0, nt)
         else:
             for block, state in zip(self._blocks, cache.layers):
                 x = block(x, state, pos0)

@@ -64,9 +64,9 @@ class AttnStep:
         a = attn.a
         return not a.output_gate and attn.g is None
 
-    def __call__(self, h: np.ndarray, kv, pos: int, out: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    def __call__(self, h: np.ndarray, kv, pos: int, out: np.ndarray, nt: int) -> np.ndarray:  # noqa: ANN001
         a, attn = self.a, self.attn
-        buf = self.qkv(h, self.buf)
+        buf = self.qkv(h, self.buf, nt)
         if self.bias is not None:
             buf += self.bias
         row = buf[0]
@@ -76,10 +76,10 @@ class AttnStep:
         cos, sin = rope_at(a.rope, pos)
         qk_norm_rope(q, k, self.qn, self.kn, attn.eps, cos, sin)
         keys, vals, k0 = kv.append(k[None], v[None])
-        att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att)
+        att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att, nt)
         if attn.head_keep is not None:
             att[~attn.head_keep] = 0
-        self.o(att.reshape(1, -1), out)
+        self.o(att.reshape(1, -1), out, nt)
         if attn.ob is not None:
             out += attn.ob
         return out
@@ -98,12 +98,12 @@ class FfnStep:
     def supports(ffn) -> bool:  # noqa: ANN001
         return ffn.act_name in ACTS and ffn.gate.out_features == ffn.up.out_features
 
-    def __call__(self, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def __call__(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
         if self.ffn._live is not None:  # a task mask: the generic row-restricted path
             out[...] = self.ffn(h)
             return out
-        self.gate_up(h, self.buf)
-        return self.down(self.buf[:, :self.gate_up.width], out)
+        self.gate_up(h, self.buf, nt)
+        return self.down(self.buf[:, :self.gate_up.width], out, nt)
 
 
 class BlockStep:
@@ -120,13 +120,13 @@ class BlockStep:
         self.attn = AttnStep(m) if isinstance(m, Attention) and AttnStep.supports(m) else None
         self.ffn = FfnStep(f) if isinstance(f, DenseFfn) and FfnStep.supports(f) else None
 
-    def __call__(self, x: np.ndarray, state, pos: int) -> np.ndarray:  # noqa: ANN001
-        """Advance x [1, hidden] through the layer in place."""
+    def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
+        """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
         b = self.block
         eps = b.eps
         h = norm_into(x, b.n_in, eps, self.h)
         if self.attn is not None:
-            a = self.attn(h, state, pos, self.a)
+            a = self.attn(h, state, pos, self.a, nt)
         else:
             a = b.mixer(h, state, pos)
         if b.plan.sandwich:
@@ -135,7 +135,7 @@ class BlockStep:
         else:
             x += a
             h = norm_into(x, b.n_post_attn, eps, self.h)
-        f = self.ffn(h, self.f) if self.ffn is not None else b.ffn(h)
+        f = self.ffn(h, self.f, nt) if self.ffn is not None else b.ffn(h)
         if b.plan.sandwich:
             f = norm_into(f, b.n_post_ffn, eps, self.f)
         x += f

@@ -157,9 +157,10 @@ def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out):  # prag
 
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos: int, k0: int, scale: float,
-                  window: int | None, softcap: float | None, out: np.ndarray) -> np.ndarray:
+                  window: int | None, softcap: float | None, out: np.ndarray, nt: int | None = None) -> np.ndarray:
     """One-token attention into ``out`` [H, Dv]; parallel over KV heads for long caches."""
     work = q.shape[0] * keys.shape[0] * q.shape[1]
-    fn = attend_one_par if work >= PARALLEL_ATTEND and numba.get_num_threads() > 1 and keys.shape[1] > 1 else attend_one
+    nt = numba.get_num_threads() if nt is None else nt
+    fn = attend_one_par if work >= PARALLEL_ATTEND and nt > 1 and keys.shape[1] > 1 else attend_one
     fn(q, keys, vals, pos, k0, scale, int(window or 0), float(softcap or 0.0), out)
     return out
