@@ -16,6 +16,7 @@ from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .blocks import Block, MoeFfn
 from .cache import Cache
+from .memory import PackedSourceReleaser
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .plan import ModelPlan, build_plan
 from .weights import Weights
@@ -66,6 +67,8 @@ class Model:
         self.batch_size = max(1, int(batch_size))
         self._tokenizer = None
         self._route_counts = False
+        self._forwards = 0
+        self._releaser = PackedSourceReleaser(file)
         self._moe_keep = _moe_keep(moe_mask, moe_mask_cover, self.plan) if moe_mask is not None else {}
         self._prepare()
         self.select(task=task)
@@ -371,16 +374,30 @@ class Model:
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
         pos0 = cache.pos
+        self._forwards += 1
+        # Give back the mapped pages of freshly repacked 4-bit tiles, layer by layer (memory.py):
+        # after every prefill and after decode forwards 1, 2, 4, 8, ... (tiles are packed once).
+        watch = t > 1 or not self._forwards & (self._forwards - 1)
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
             x = np.ascontiguousarray(x, dtype=np.float32)
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
-            for block, state in zip(self._blocks, cache.layers):
+            for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 block.step(x, state, pos0, nt)
+                if watch:
+                    self._release_packed(i)
         else:
-            for block, state in zip(self._blocks, cache.layers):
+            for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 x = block(x, state, pos0)
+                if watch:
+                    self._release_packed(i)
+        if watch:
+            self._releaser.release([self._lm_head])
         cache.pos += t
         return rms_norm_prepared(x, self._final_norm, plan.eps) if self._final_norm is not None else x
+
+    def _release_packed(self, i: int) -> None:
+        lin = self.weights._linears
+        self._releaser.release([lin[n] for n in _plan_names(self.plan.layers[i]) if n in lin])
 
     def project(self, h: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden states (lm_head, logit multiplier, final soft-cap)."""
