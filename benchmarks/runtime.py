@@ -1,0 +1,283 @@
+"""Runtime benchmark (issue 7): decode and prefill of every dtype at 1 and 2 threads, the peers on
+the same weights, peak RSS, time to first token, resident pages under a 50% FFN mask.
+
+    python benchmarks/runtime.py [--dir /dev/shm/cmf-bench] [--rounds 3] [--compare-reps 3]
+                                 [--dtypes f16,q8,...] [--no-compare] [--quick] [--write]
+
+The model: seeded random Qwen3, hidden 1024, FFN 3072, 12 layers, 16 heads / 8 KV, head_dim 64,
+vocab 32000, untied (benchmarks/convert.py ``qwen3-0.2b``), converted once per dtype. Decode = 64
+tokens after a 32-token prompt; prefill = 512 tokens (lm_head on the last one, as generation
+needs). Every measurement runs in a fresh process; the matrix is interleaved round by round
+(dtype × threads inside a round), so background load hits every cell alike, and reports the
+median and the best round. ``--compare`` rows come from ``cmf bench --compare`` (cmf.tools.
+bench_compare): pycmf, transformers and llama.cpp interleaved, medians. TTFT: wall time from
+spawning ``python`` to the first generated token (imports, load, 32-token prefill, argmax),
+with the numba cache warm and with an empty one (``NUMBA_CACHE_DIR`` pointed at a fresh folder).
+``--write`` appends a dated ``### run`` to ``## runtime`` of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, table  # noqa: E402
+from convert import MODELS, QUICK, write_checkpoint  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+DTYPES = ["f32", "f16", "bf16", "q8", "q8_2f", "q4", "q4t", "q4tp", "q2tp", "vbit", "q1", "q1t"]
+COMPARE = ["f32", "f16", "q8", "q4tp", "q4t"]
+BANDWIDTH = 45e9  # bytes/s the issue's bound uses (2-thread streaming read measured 46.8 GB/s)
+LLAMA = {"f16": ("F16", 95.3, 951), "q8": ("Q8_0", 154.5, 728), "q8_2f": ("Q8_0", 154.5, 728),
+         "q4tp": ("Q4_0", 234.2, 1274), "q4t": ("Q4_0", 234.2, 1274)}  # the issue's measurements
+PROMPT, GEN, PREFILL = 32, 64, 512
+
+WORKER = r"""
+import json, sys, time
+T0 = time.time()
+import numpy as np
+mode, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+from cmf import kernels
+from cmf.runtime.model import load
+m = load(path, threads=threads)
+kernels.set_threads(threads)
+rng = np.random.default_rng(0)
+ids = rng.integers(0, m.plan.vocab, 512)
+out = {}
+if mode == "ttft":
+    tok = int(np.argmax(m.prefill(ids[:32], m.new_cache())))
+    out["first_token_at"] = time.time()
+else:
+    m.prefill(ids[:8], m.new_cache())  # kernels loaded / compiled, tiles packed
+    best = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        m.prefill(ids, m.new_cache())
+        best = max(best, 512 / (time.perf_counter() - t0))
+    out["prefill_tps"] = best
+    best = 0.0
+    for _ in range(2):
+        c = m.new_cache()
+        tok = int(np.argmax(m.prefill(ids[:32], c)))
+        t0 = time.perf_counter()
+        for _ in range(64):
+            tok = int(np.argmax(m.forward([tok], c)[-1]))
+        best = max(best, 64 / (time.perf_counter() - t0))
+    out["decode_tps"] = best
+    kv = sum(L.k.nbytes + L.v.nbytes for L in c.layers if hasattr(L, "k"))
+    out["kv_bytes_96"] = kv
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        out["peak_rss_mb"] = int(line.split()[1]) / 1024
+print(json.dumps(out))
+"""
+
+
+def worker(mode: str, path: Path, threads: int, env: dict | None = None) -> dict:
+    spawn = time.time()
+    proc = subprocess.run([sys.executable, "-c", WORKER, mode, str(path), str(threads)], capture_output=True,
+                          text=True, env=dict(os.environ, **(env or {})), timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} {path.name} t={threads} failed:\n{proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if mode == "ttft":
+        res["ttft_s"] = res["first_token_at"] - spawn
+    return res
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE (llama.cpp needs a vocabulary; the GGUF export pads it to the
+    embedding rows). Its ids only matter as ids: the benchmark feeds random token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = [f"w{i:03d}x" for i in range(300)]
+    text = [" ".join(words[(i * 13 + j * 7) % 300] for j in range(16)) for i in range(300)]
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None,
+                                                               "pad_token": "<|endoftext|>"}))
+
+
+def build(base: Path, model: dict, dtypes: list[str]) -> dict[str, Path]:
+    """The benchmark model converted to every dtype (reused when present)."""
+    from cmf.convert import convert
+
+    hf = base / "hf"
+    if not (hf / "model.safetensors").exists():
+        write_checkpoint(hf, model)
+    if not (hf / "tokenizer.json").exists():
+        write_tokenizer(hf)
+    out = {}
+    for q in dtypes:
+        p = base / f"bench-{q}.cmf"
+        if not p.exists():
+            t0 = time.perf_counter()
+            convert(hf, p, quant=q)
+            print(f"converted {q} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        out[q] = p
+    return out
+
+
+def bytes_per_token(path: Path) -> int:
+    """Bytes of every matrix a decoded token reads (all but the embedding, of which it reads a row)."""
+    from cmf.format.reader import open as cmf_open
+
+    with cmf_open(path) as f:
+        return sum(t.nbytes for t in f.tensors() if len(t.shape) == 2 and "embed_tokens" not in t.name)
+
+
+def matrix(files: dict[str, Path], rounds: int) -> dict:
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(rounds):
+        for q, p in files.items():
+            for t in (1, 2):
+                runs.setdefault((q, t), []).append(worker("bench", p, t))
+                print(f"round {r + 1}: {q} t={t} {runs[(q, t)][-1]}", file=sys.stderr)
+    return runs
+
+
+def mask_residency(path: Path, work: Path) -> dict:
+    """Pages of the q8 model read / resident under a random 50% FFN mask (benchmarks/specialize.py)."""
+    from specialize import random_half, resident
+
+    masked = work / "bench-q8-half.cmf"
+    if not masked.exists():
+        random_half(path, masked)
+    return {"none": resident(masked, None), "half": resident(masked, "half")}
+
+
+def render(files, runs, compare, ttft, masks, tiny_rss) -> str:
+    out = []
+    rows = []
+    for q, p in files.items():
+        bpt = bytes_per_token(p)
+        bound = BANDWIDTH / bpt
+        for t in (1, 2):
+            rs = runs[(q, t)]
+            dec = [r["decode_tps"] for r in rs]
+            pre = [r["prefill_tps"] for r in rs]
+            rss = max(r["peak_rss_mb"] for r in rs)
+            rows.append([q, f"{p.stat().st_size / 2**20:.0f}", f"{bpt / 1e6:.0f}", t,
+                         f"{statistics.median(dec):.1f} / {max(dec):.1f}",
+                         f"{100 * statistics.median(dec) / bound:.0f}%" if t == 2 else "",
+                         f"{statistics.median(pre):.0f} / {max(pre):.0f}", f"{rss:.0f}"])
+    out.append("Decode (tg64 after a 32-token prompt) and prefill (pp512) in t/s, median / best of the rounds; "
+               "bound = 45 GB/s ÷ bytes per token.\n")
+    out.append(table(["dtype", "file MiB", "MB/token", "threads", "decode t/s", "of bound", "prefill t/s",
+                      "peak RSS MB"], rows))
+    if compare:
+        out.append("\nSame weights, fresh processes interleaved (`cmf bench --compare hf,llama.cpp -t 2`), medians:\n")
+        crow = []
+        for q, res in compare.items():
+            base = {r["engine"]: r for r in res["rows"]}
+            py = base["pycmf"]
+            for r in res["rows"]:
+                crow.append([q, r["engine"], r["format"], f"{r['size_bytes'] / 2**20:.0f}",
+                             f"{r['decode_tps']:.1f}", f"{r['prefill_tps']:.0f}", f"{r['peak_rss_mb']:.0f}",
+                             "" if r is py else f"{py['decode_tps'] / r['decode_tps']:.2f}×",
+                             "" if r is py else f"{py['prefill_tps'] / r['prefill_tps']:.2f}×"])
+            for e, why in res["skipped"].items():
+                crow.append([q, e, "skipped", "", "", "", "", why, ""])
+        out.append(table(["file", "engine", "format", "MiB", "decode t/s", "prefill t/s", "peak RSS MB",
+                          "pycmf ÷ peer decode", "pycmf ÷ peer prefill"], crow))
+    if ttft:
+        out.append("\nTime to first token, fresh `python` process (imports + load + 32-token prefill + argmax), "
+                   "2 threads, seconds (median of the runs):\n")
+        out.append(table(["file", "warm numba cache", "cold numba cache (first run after install)"],
+                         [[q, f"{v['warm']:.2f}", f"{v['cold']:.2f}"] for q, v in ttft.items()]))
+    if masks:
+        h, n = masks["half"], masks["none"]
+        mb = 2**20
+        out.append(f"\nq8 model with a random 50% FFN mask, cold page cache, load + 8-token prefill + 24 decode steps "
+                   f"(mincore of the mapping): FFN bytes {h['ffn_bytes'] / mb:.1f} MiB, FFN pages read unmasked "
+                   f"{n['read_ffn'] / mb:.1f} MiB vs masked {h['read_ffn'] / mb:.1f} MiB; mapped RSS "
+                   f"{n['mapped'] / mb:.1f} → {h['mapped'] / mb:.1f} MiB (+{h['gathered'] / mb:.1f} MiB of gathered "
+                   "down-projection columns).")
+    if tiny_rss:
+        out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS {tiny_rss:.0f} MB.")
+    return "\n".join(out)
+
+
+def ttft_runs(files: dict[str, Path], n: int) -> dict:
+    out = {}
+    for q in files:
+        worker("ttft", files[q], 2)  # the warm cache
+        warm = [worker("ttft", files[q], 2)["ttft_s"] for _ in range(n)]
+        cold = []
+        for _ in range(max(1, n // 2)):
+            with tempfile.TemporaryDirectory(prefix="numba-cold-") as d:
+                cold.append(worker("ttft", files[q], 2, {"NUMBA_CACHE_DIR": d})["ttft_s"])
+        out[q] = {"warm": statistics.median(warm), "cold": statistics.median(cold)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="work folder for the converted files (kept between runs)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare-reps", type=int, default=3)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--no-compare", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script runs")
+    ap.add_argument("--write", action="store_true", help="append the run to RESULTS.md (## runtime)")
+    args = ap.parse_args()
+    t_start = time.time()
+    load0 = os.getloadavg()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="cmf-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    base.mkdir(parents=True, exist_ok=True)
+    model = QUICK["qwen3-0.2b"] if args.quick else MODELS["qwen3-0.2b"]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    files = build(base, model, dtypes)
+    rounds = 1 if args.quick else args.rounds
+    runs = matrix(files, rounds)
+    compare = {}
+    if not args.no_compare:
+        from cmf.tools.bench_compare import compare as run_compare
+
+        for q in [d for d in COMPARE if d in files]:
+            compare[q] = run_compare(files[q], ["hf", "llama.cpp"], n_prompt=PREFILL, n_gen=GEN,
+                                     reps=1 if args.quick else args.compare_reps, threads=2)
+            print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
+    ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
+    masks = mask_residency(files["q8"], base) if "q8" in files and not args.quick else None
+    tiny = build(base / "tiny", QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64},
+                 ["q8"])["q8"]
+    tiny_rss = worker("bench", tiny, 2)["peak_rss_mb"]
+    load1 = os.getloadavg()
+    text = render(files, runs, compare, ttft, masks, tiny_rss)
+    print(text)
+    if args.write:
+        import numba
+        import numpy as np
+
+        head = (f"### run {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n{machine()}; numpy {np.__version__}, numba "
+                f"{numba.__version__}; `benchmarks/runtime.py --rounds {rounds}` ({time.time() - t_start:.0f} s). "
+                f"Load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end (other engineers' jobs share "
+                "the 2 cores).\n")
+        body = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+        if "## runtime\n" not in body:
+            body = body.rstrip("\n") + "\n\n\n## runtime\n\nWritten by `benchmarks/runtime.py --write`; see its " \
+                                      "docstring for the protocol and docs/PERFORMANCE.md for the design.\n"
+        start = body.index("## runtime\n")
+        nxt = body.find("\n## ", start + 1)
+        entry = "\n" + head + "\n" + text + "\n"
+        body = body[:nxt + 1] + entry.lstrip("\n") + "\n" + body[nxt + 1:] if nxt >= 0 else body.rstrip("\n") + "\n" + entry
+        RESULTS.write_text(body)
+
+
+if __name__ == "__main__":
+    main()
