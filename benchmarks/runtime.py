@@ -208,7 +208,8 @@ def render(files, runs, compare, ttft, masks, tiny_rss) -> str:
                    f"{n['mapped'] / mb:.1f} → {h['mapped'] / mb:.1f} MiB (+{h['gathered'] / mb:.1f} MiB of gathered "
                    "down-projection columns).")
     if tiny_rss:
-        out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS {tiny_rss:.0f} MB.")
+        out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS "
+                   f"{tiny_rss:.0f} MB.")
     return "\n".join(out)
 
 
@@ -237,7 +238,8 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.time()
     load0 = os.getloadavg()
-    base = Path(args.dir or tempfile.mkdtemp(prefix="cmf-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    base = Path(args.dir or tempfile.mkdtemp(prefix="cmf-bench-", dir=shm))
     base.mkdir(parents=True, exist_ok=True)
     model = QUICK["qwen3-0.2b"] if args.quick else MODELS["qwen3-0.2b"]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -275,7 +277,10 @@ def main() -> None:
         start = body.index("## runtime\n")
         nxt = body.find("\n## ", start + 1)
         entry = "\n" + head + "\n" + text + "\n"
-        body = body[:nxt + 1] + entry.lstrip("\n") + "\n" + body[nxt + 1:] if nxt >= 0 else body.rstrip("\n") + "\n" + entry
+        if nxt >= 0:  # the next section follows: insert before it
+            body = body[:nxt + 1] + entry.lstrip("\n") + "\n" + body[nxt + 1:]
+        else:
+            body = body.rstrip("\n") + "\n" + entry
         RESULTS.write_text(body)
 
 

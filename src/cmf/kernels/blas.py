@@ -109,9 +109,10 @@ def sgemm(typingctx, addr, ilp64, tb, M, N, K, A, lda, B, ldb, C, ldc):  # noqa:
 
                     def n(v):
                         return v if it is i64 else builder.trunc(v, i32)
-                    builder.call(fn, [ir.Constant(i32, ROW_MAJOR), ir.Constant(i32, NO_TRANS), builder.trunc(args[2], i32),
-                                      n(args[3]), n(args[4]), n(args[5]), ir.Constant(f32, 1.0), ptrs[0], n(args[7]),
-                                      ptrs[1], n(args[9]), ir.Constant(f32, 0.0), ptrs[2], n(args[11])])
+                    order, ta = ir.Constant(i32, ROW_MAJOR), ir.Constant(i32, NO_TRANS)
+                    builder.call(fn, [order, ta, builder.trunc(args[2], i32), n(args[3]), n(args[4]), n(args[5]),
+                                      ir.Constant(f32, 1.0), ptrs[0], n(args[7]), ptrs[1], n(args[9]),
+                                      ir.Constant(f32, 0.0), ptrs[2], n(args[11])])
         return context.get_dummy_value()
     sig = types.void(addr, ilp64, tb, M, N, K, A, lda, B, ldb, C, ldc)
     return sig, codegen
