@@ -167,7 +167,7 @@ def clean_times(label: str, fn, repeat: int, warmup: int = 3) -> tuple[float, fl
     for attempt in range(tries):
         if attempt and time.monotonic() > DEADLINE:
             break  # the run has waited long enough: keep the last measurement, flagged
-        if WAIT:
+        if WAIT and time.monotonic() < DEADLINE:
             QUIET.append(wait_idle(WAIT))
         try:
             j0 = _busy_jiffies()
