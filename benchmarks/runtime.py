@@ -82,7 +82,37 @@ print(json.dumps(out))
 """
 
 
+IDLE = {"max_wait": 120.0, "waited": 0.0, "gave_up": 0}
+
+
+def _cpu_busy(interval: float = 1.0) -> float:
+    """Fraction of all cores busy over ``interval`` seconds (/proc/stat); 0 where unavailable."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    try:
+        t0, i0 = sample()
+        time.sleep(interval)
+        t1, i1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_idle() -> None:
+    """Wait (up to IDLE["max_wait"] s) until other processes use under ~a third of one core:
+    the machine is shared, and a 2-thread region that loses a core stalls for milliseconds."""
+    t0 = time.time()
+    while _cpu_busy() > 0.15 / max(1, (os.cpu_count() or 1) / 2):
+        if time.time() - t0 > IDLE["max_wait"]:
+            IDLE["gave_up"] += 1
+            break
+    IDLE["waited"] += time.time() - t0
+
+
 def worker(mode: str, path: Path, threads: int, env: dict | None = None) -> dict:
+    wait_idle()
     spawn = time.time()
     proc = subprocess.run([sys.executable, "-c", WORKER, mode, str(path), str(threads)], capture_output=True,
                           text=True, env=dict(os.environ, **(env or {})), timeout=3600)
@@ -235,7 +265,11 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script runs")
     ap.add_argument("--write", action="store_true", help="append the run to RESULTS.md (## runtime)")
+    ap.add_argument("--wait-idle", type=float, default=120.0,
+                    help="before each measured process, wait up to this many seconds for the other processes "
+                         "to go quiet (0: never wait)")
     args = ap.parse_args()
+    IDLE["max_wait"] = args.wait_idle
     t_start = time.time()
     load0 = os.getloadavg()
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
@@ -252,7 +286,7 @@ def main() -> None:
 
         for q in [d for d in COMPARE if d in files]:
             compare[q] = run_compare(files[q], ["hf", "llama.cpp"], n_prompt=PREFILL, n_gen=GEN,
-                                     reps=1 if args.quick else args.compare_reps, threads=2)
+                                     reps=1 if args.quick else args.compare_reps, threads=2, before_run=wait_idle)
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
     ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
     masks = mask_residency(files["q8"], base) if "q8" in files and not args.quick else None
@@ -269,7 +303,8 @@ def main() -> None:
         head = (f"### run {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n{machine()}; numpy {np.__version__}, numba "
                 f"{numba.__version__}; `benchmarks/runtime.py --rounds {rounds}` ({time.time() - t_start:.0f} s). "
                 f"Load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end (other engineers' jobs share "
-                "the 2 cores).\n")
+                f"the 2 cores); {IDLE['waited']:.0f} s spent waiting for them to go quiet before measured processes, "
+                f"{IDLE['gave_up']} processes started without that.\n")
         body = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
         if "## runtime\n" not in body:
             body = body.rstrip("\n") + "\n\n\n## runtime\n\nWritten by `benchmarks/runtime.py --write`; see its " \

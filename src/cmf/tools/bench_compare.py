@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -190,8 +190,10 @@ def prepare_peers(model: Path, engines: list[str], workdir: Path) -> dict[str, t
 
 
 def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int = 512, n_gen: int = 64,
-            reps: int = 3, threads: int | None = None) -> dict[str, Any]:
-    """Interleaved fresh-process runs of each engine; medians per engine."""
+            reps: int = 3, threads: int | None = None,
+            before_run: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Interleaved fresh-process runs of each engine; medians per engine. ``before_run`` is called
+    before each engine process starts (benchmarks/runtime.py waits there for a quiet machine)."""
     model = Path(model)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -205,6 +207,8 @@ def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int 
         for _ in range(max(1, reps)):
             for e in runnable:
                 path = peers[e][0]  # type: ignore[index]
+                if before_run is not None:
+                    before_run()
                 cmd = [sys.executable, "-m", "cmf.tools.bench_compare", e, path, str(n_prompt), str(n_gen),
                        str(threads or 0)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
