@@ -21,8 +21,8 @@ from numba import prange
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
-from ..quant.q1 import TERNARY_LUT
 from ..quant import _fast
+from ..quant.q1 import TERNARY_LUT
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
 from ._jit import PARALLEL, SERIAL, f16_at, threads

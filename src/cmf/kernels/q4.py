@@ -9,14 +9,17 @@ partial sums at once.
 
 Memory: the repacked copy is never larger than the payload. Planes keep their bytes (16 per
 group for q4, 8 for q2tp); q4_block/q4_tiled keep the f16 scale bits (2 bytes per group);
-q4tp/q2tp keep their 5-bit codes bit-sliced (5 bytes per group per 8 rows = the stored 5 bits)
-and read the row params from the mapped file, expanding each tile's 64 ladders in a small
-scratch when the tile is computed. Rows past the last whole tile (``rows % 64``) are not
-repacked; they are decoded from the mapped bytes on every call. Tiles are packed lazily, the
-first time a product needs them, so rows that a mask never selects are never read.
+q4tp/q2tp keep their 5-bit codes as five bit planes per 64 rows (40 bytes per tile-group, the
+stored density) and read the row params from the mapped file: per tile, each row's 2^lo and
+ratio^(2^p) are expanded into a small scratch, and a scale is built by multiplying in the powers
+whose code bit is set (``_jit.plane_scales``: lane masks, no per-row gather). Rows past the last
+whole tile (``rows % 64``) are not repacked; they are decoded from the mapped bytes on every
+call. Tiles are packed lazily, the first time a product needs them, so rows that a mask never
+selects are never read.
 
 Sums use ``Σ(q - z)·x = Σ q·x - z·Σx`` with ``z·Σx`` computed once per call and group (z = 8
-for nibbles, 1.5 for q2tp crumbs); results agree with decode + numpy to ~1e-7 relative.
+for nibbles, 1.5 for q2tp crumbs); results agree with decode + numpy to ~2e-6 of max |y|
+(measured up to in = 16384, positive and outlier inputs included).
 """
 
 from __future__ import annotations
