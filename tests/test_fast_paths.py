@@ -26,7 +26,8 @@ from cmf.runtime.ops.norm import rms_norm_prepared
 
 from _builders import header
 
-DTYPES = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q4tp", "q2tp", "vbit"]
+DTYPES = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "q1", "q1s", "q1t"]
+OPTS = {"q1s": {"keep": 0.02}, "q1t": {"keep": 0.02}}
 # (rows, in): a tail past the 64-row tiles, exact tiles, rows not a multiple of four
 SHAPES = {"a": (200, 96), "b": (128, 256), "c": (37, 64)}
 TOL = 1e-5
@@ -48,7 +49,7 @@ def model(tmp_path_factory):
             for k in range(3):
                 m = (rng.standard_normal(shape) * 0.05).astype(np.float32)
                 for name in DTYPES:
-                    w.add(f"{name}.{tag}{k}", name, shape, q.encode(m, name))
+                    w.add(f"{name}.{tag}{k}", name, shape, q.encode(m, name, **OPTS.get(name, {})))
     f = cmf_open(path)
     yield f
     f.close()
@@ -71,7 +72,7 @@ def test_prefill_gemm_matches_reference(model, name, tag, threads) -> None:
         _close(out, X @ w.T)
     finally:
         numba.set_num_threads(old)
-    assert gemm.supported(op) == (name != "vbit")
+    assert gemm.supported(op)
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -95,6 +96,16 @@ def test_matvec_groups_match_the_ops(model, name, tag, parallel, monkeypatch) ->
         gu(x, buf)
         g0, u0 = ops[0](x[0]).astype(np.float64), ops[1](x[0]).astype(np.float64)
         _close(buf[0, :gu.width], fn(g0) * u0, 1e-5)
+
+
+def test_matvec_group_of_unhandled_family_falls_back(model) -> None:
+    ops = [prepare(model.tensor(f"q1t.b{k}")) for k in range(2)]
+    g = MatvecGroup(ops, act="silu")
+    assert g.family is None
+    x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
+    out = np.empty((1, g.out_features), np.float32)
+    g0, u0 = (o(x[0]).astype(np.float64) for o in ops)
+    _close(g(x, out)[0, :g.width], activations.silu(g0) * u0)
 
 
 def test_mixed_family_group_falls_back(model) -> None:

@@ -11,9 +11,9 @@ f32 goes this way too although numpy's sgemm on the mapped view would need no ke
 own threads keep spinning ~0.1 s after each call and starve the numba regions that follow
 (measured: f32 prefill-512 268 t/s through np.dot, norms and attention 3-10x slower). The row
 split changes OpenBLAS's edge blocking, so f32 results differ from the reference path's
-``x @ W.T`` in the last bits. Where numpy's BLAS has no reachable ``cblas_sgemm``
-(``SGEMM.addr == 0``), or for dtype families without a dequantizer here (vbit, q1),
-:func:`matmul` falls back to the LinearOp's own batched path.
+``x @ W.T`` in the last bits. vbit and q1 rows are decoded by the codecs' own
+row-range decoders (``quant/_fast.py``). Where numpy's BLAS has no reachable ``cblas_sgemm``
+(``SGEMM.addr == 0``), :func:`matmul` falls back to the LinearOp's own batched path.
 """
 
 from __future__ import annotations
@@ -22,12 +22,18 @@ import numba
 import numpy as np
 from numba import prange
 
+from ..format.constants import GROUP
+from ..quant import _fast
+from ..quant.q1 import TERNARY_LUT
+
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL_ORDERED, scratch, threads
 from .blas import NO_TRANS, SGEMM, TRANS, sgemm, single_threaded
 from .floats import F32Linear, HalfLinear, half_dequant
 from .q4 import R as TILE_R
 from .q4 import TiledLinear, decode_rows, tiles_dequant_t
+from .q1 import Q1T, Q1Linear, overlay_rows
 from .q8 import Q8Linear, q8_dequant
+from .vbit import VbitLinear
 
 # Bytes of dequantized f32 rows per thread and step: half of a 2 MB L2 (the tile is still cached
 # when sgemm packs it). Measured on the benchmark model: 256 KB 162-173, 512 KB 173-180, 1 MB
@@ -87,6 +93,48 @@ def q8_gemm(addr, ilp64, q, s, col, rows, X, Y, bufs, nt):  # pragma: no cover -
             r = e
 
 
+@numba.njit(**PARALLEL)
+def vbit_gemm(addr, ilp64, data, widths, starts, soff, table, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """vbit / vbit_ro: R rows at a time through the codec's row-range decoder, then sgemm."""
+    T, k = X.shape
+    n = widths.shape[0]
+    R = bufs.shape[1]
+    gpr = k // GROUP
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            _fast._vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, 0, e - r)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e
+
+
+@numba.njit(**PARALLEL)
+def q1_gemm(addr, ilp64, kind, tiles, table, lut, ptr, ent, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """q1 / q1s / q1t: R rows through the codec's group decoders (+ the q1s/q1t overlay), then sgemm."""
+    T, k = X.shape
+    n = tiles.shape[0]
+    R = bufs.shape[1]
+    gpr = k // GROUP
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            groups = buf[:e - r].reshape(-1, GROUP)
+            src = tiles[r:e].reshape(-1, tiles.shape[2])
+            if kind == Q1T:
+                _fast._q1t_range(src, table, lut, groups, 0, (e - r) * gpr)
+            else:
+                _fast._q1_range(src, table, groups, 0, (e - r) * gpr)
+            overlay_rows(kind, ptr, ent, r, e, k, buf)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e
+
+
 @numba.njit(**PARALLEL_ORDERED)
 def tiled_gemm(addr, ilp64, ntiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, X, Y, bufs,
                nt):  # pragma: no cover - compiled
@@ -125,7 +173,7 @@ def _step_rows(in_features: int, align: int) -> int:
 
 def supported(op) -> bool:  # noqa: ANN001
     """Whether :func:`matmul` has a threaded sgemm path for this LinearOp."""
-    return bool(SGEMM.addr) and isinstance(op, (F32Linear, HalfLinear, Q8Linear, TiledLinear))
+    return bool(SGEMM.addr) and isinstance(op, (F32Linear, HalfLinear, Q8Linear, TiledLinear, VbitLinear, Q1Linear))
 
 
 def matmul(op, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:  # noqa: ANN001
@@ -152,6 +200,12 @@ def matmul(op, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:  # n
             half_gemm(a, w64, op.w, op.kind, op.all_rows, X, Y, _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         elif isinstance(op, Q8Linear):
             q8_gemm(a, w64, op.q, op.s, op.col, op.all_rows, X, Y, _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
+        elif isinstance(op, VbitLinear):
+            vbit_gemm(a, w64, op.data, op.widths, op.starts, op.soff, _fast.F16_TABLE, X, Y,
+                      _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
+        elif isinstance(op, Q1Linear):
+            q1_gemm(a, w64, op.kind, op.tiles, _fast.F16_TABLE, TERNARY_LUT, op.ptr, op.ent, X, Y,
+                    _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         else:
             if op.ntiles:
                 per = max(1, _step_rows(k, TILE_R) // TILE_R)
