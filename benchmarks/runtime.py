@@ -180,14 +180,22 @@ def matrix(files: dict[str, Path], rounds: int) -> dict:
     return runs
 
 
-def mask_residency(path: Path, work: Path) -> dict:
-    """Pages of the q8 model read / resident under a random 50% FFN mask (benchmarks/specialize.py)."""
+def mask_residency(path: Path) -> dict:
+    """Pages of the q8 model read / resident under a random 50% FFN mask (benchmarks/specialize.py).
+
+    The masked copy lives on a disk-backed folder: a tmpfs file *is* its page cache, so there
+    mincore reports every page and "evict before the run" cannot happen."""
+    import shutil
+
     from specialize import random_half, resident
 
-    masked = work / "bench-q8-half.cmf"
-    if not masked.exists():
+    d = Path(tempfile.mkdtemp(prefix="cmf-mask-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
+    try:
+        masked = d / "bench-q8-half.cmf"
         random_half(path, masked)
-    return {"none": resident(masked, None), "half": resident(masked, "half")}
+        return {"none": resident(masked, None), "half": resident(masked, "half")}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def render(files, runs, compare, ttft, masks, tiny_rss) -> str:
@@ -289,7 +297,7 @@ def main() -> None:
                                      reps=1 if args.quick else args.compare_reps, threads=2, before_run=wait_idle)
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
     ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
-    masks = mask_residency(files["q8"], base) if "q8" in files and not args.quick else None
+    masks = mask_residency(files["q8"]) if "q8" in files and not args.quick else None
     tiny = build(base / "tiny", QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64},
                  ["q8"])["q8"]
     tiny_rss = worker("bench", tiny, 2)["peak_rss_mb"]
