@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -230,18 +231,14 @@ def kernel_rows(w: np.ndarray, blobs: dict[str, bytes], repeat: int) -> tuple[li
     x = rng.standard_normal(n).astype(np.float32)
     X = rng.standard_normal((64, n)).astype(np.float32)
     flops = 2.0 * 64 * w.size
-    dense = {}
-    for th in (1, 2):
-        set_threads(th)
-        mv = clean_times(f"f32 dot {th}t", lambda: w @ x, repeat * 3)
-        mm = clean_times(f"f32 sgemm {th}t", lambda: X @ w.T, max(3, repeat // 2), warmup=1)
-        dense[th] = (w.nbytes / mv[0] / 1e9, w.nbytes / mv[1] / 1e9, flops / mm[0] / 1e9, flops / mm[1] / 1e9)
     rows = []
     for name in DTYPES:
         op = prepare_fused(_qtensor(name, blobs[name], w.shape))
         gbs = []
         for th in (1, 2):
-            set_threads(th)
+            # numba's threads only: re-setting OpenBLAS's thread count wakes its pool, whose
+            # spinning workers then take a core from the next 2-thread product (measured 25 -> 13 GB/s)
+            numba.set_num_threads(th)
             med, best = clean_times(f"{name} mat-vec {th}t", lambda: op(x), repeat * 3)
             gbs.append((op.nbytes / med / 1e9, op.nbytes / best / 1e9))
         gmed, gbest = clean_times(f"{name} batched", lambda: op(X), max(3, repeat // 2), warmup=1)
@@ -252,6 +249,12 @@ def kernel_rows(w: np.ndarray, blobs: dict[str, bytes], repeat: int) -> tuple[li
                      f"{gbs[1][0]:.1f} ({gbs[1][1]:.1f})", mark, f"{weights:.1f}",
                      f"{flops / gmed / 1e9:.0f} ({flops / gbest / 1e9:.0f})"])
         print(f"kernel {name}: done", file=sys.stderr, flush=True)
+    dense = {}
+    for th in (1, 2):
+        set_threads(th)
+        mv = clean_times(f"f32 dot {th}t", lambda: w @ x, repeat * 3)
+        mm = clean_times(f"f32 sgemm {th}t", lambda: X @ w.T, max(3, repeat // 2), warmup=1)
+        dense[th] = (w.nbytes / mv[0] / 1e9, w.nbytes / mv[1] / 1e9, flops / mm[0] / 1e9, flops / mm[1] / 1e9)
     note = (f"numpy f32 on the decoded matrix, median (best): `dot` {dense[1][0]:.1f} ({dense[1][1]:.1f}) / "
             f"{dense[2][0]:.1f} ({dense[2][1]:.1f}) GB/s of f32 on 1 / 2 threads "
             f"(= {w.size / (w.nbytes / dense[2][0] / 1e9) / 1e9:.1f} G weights/s on 2); sgemm T=64 "
@@ -261,7 +264,7 @@ def kernel_rows(w: np.ndarray, blobs: dict[str, bytes], repeat: int) -> tuple[li
 
 def crossover(w: np.ndarray, blobs: dict[str, bytes]) -> list[list[object]]:
     """Fused kernel vs dequantize-tiles + sgemm for small batches (2 threads)."""
-    set_threads(2)
+    numba.set_num_threads(2)
     rows = []
     rng = np.random.default_rng(2)
     for name in ("f16", "q8_row", "q4tp", "vbit_ro"):

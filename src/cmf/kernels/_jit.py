@@ -171,9 +171,8 @@ def plane_scales(typingctx, planes, base, t0, powers, s, dead31):  # noqa: ANN00
             every = ir.Constant(i16, 0xFFFF)
             for p in range(5):
                 off = builder.add(args[1], ir.Constant(i64, 8 * p + 2 * c))
-                lo = builder.zext(builder.load(cgutils.gep(builder, pl, off)), i16)
-                hi = builder.zext(builder.load(cgutils.gep(builder, pl, builder.add(off, ir.Constant(i64, 1)))), i16)
-                bits = builder.or_(lo, builder.shl(hi, ir.Constant(i16, 8)))
+                ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
+                bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
                 every = builder.and_(every, bits)
                 mask = builder.bitcast(bits, vm)
                 v = builder.fmul(v, builder.select(mask, vload(pw, 64 * p + 16 * c), ones))
