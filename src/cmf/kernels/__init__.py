@@ -19,8 +19,11 @@ def set_threads(n: int) -> int:
 _FUSED = None
 
 
-def prepare(tensor, *, reference: bool = False) -> LinearOp:
-    """The fastest available LinearOp for a stored 2-D weight (``reference=True``: decode + numpy)."""
+def prepare(tensor, *, reference: bool = False, int8_activations: bool = False) -> LinearOp:
+    """The fastest available LinearOp for a stored 2-D weight (``reference=True``: decode + numpy).
+
+    ``int8_activations``: the 4-bit family's fused products quantize their input to int8 per
+    group of 32 (``q4.TiledLinear.use_int8_activations``); other dtypes ignore it."""
     global _FUSED
     if not reference:
         if _FUSED is None:
@@ -33,6 +36,8 @@ def prepare(tensor, *, reference: bool = False) -> LinearOp:
         if _FUSED:
             op = _FUSED.prepare_fused(tensor)
             if op is not None:
+                if int8_activations and hasattr(op, "use_int8_activations"):
+                    op.use_int8_activations(True)
                 return op
     return prepare_reference(tensor)
 

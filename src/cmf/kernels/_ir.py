@@ -190,3 +190,92 @@ def q1t_dot(typingctx, data, base, gpr, x, pos, neg):  # noqa: ANN001
         return _hsum(builder, builder.load(accv))
 
     return sig, codegen
+
+
+def _host_has(*features: str) -> bool:
+    try:
+        from llvmlite import binding
+
+        have = set(binding.get_host_cpu_features().flatten().split(","))
+    except Exception:  # pragma: no cover - exotic llvmlite builds
+        return False
+    return all(f"+{f}" in have for f in features)
+
+
+# vpdpbusd (u8 × s8, four products summed into each i32 lane) where the CPU has it; elsewhere the
+# same integer sums through widening multiplies, so both give identical results.
+HW_VNNI = _host_has("avx512vnni", "avx512bw")
+
+
+def _dot4_u8s8(builder, acc, a, b):  # noqa: ANN001, ANN202
+    """acc[l] + Σ_k u8(a.byte[4l+k])·s8(b.byte[4l+k]) over <16 x i32> vectors."""
+    v16 = ir.VectorType(_I32, 16)
+    if HW_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, a, b])
+    v64b, v64 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 64)
+    prod = builder.mul(builder.zext(builder.bitcast(a, v64b), v64), builder.sext(builder.bitcast(b, v64b), v64))
+    undef = ir.Constant(v64, ir.Undefined)
+    for n in (32, 16):  # add lanes pairwise twice: lane l sums products 4l..4l+3
+        even = builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(_I32, n), list(range(0, 2 * n, 2))))
+        odd = builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(_I32, n), list(range(1, 2 * n, 2))))
+        prod, undef = builder.add(even, odd), ir.Constant(ir.VectorType(_I32, n), ir.Undefined)
+    return builder.add(acc, prod)
+
+
+def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
+    """Integer sums of one 64-row tile-group of the 4-bit family against int8 activations.
+
+    ``planes[base + 64k + i]`` is byte k (of ``width``) of row i's group. Bytes 4w..4w+3 of a
+    row are gathered into one 32-bit lane (a constant byte shuffle across four 64-byte plane
+    loads: 16 rows per vector), their codes split by phase (nibble or crumb position), and each
+    phase is multiplied with the four matching int8 activations ``xv[xoff + w·P + p]`` (one
+    packed int32, broadcast) by a u8 × s8 dot into the row's i32 sum. Writes S[0:64]."""
+    phases = 2 if width == 16 else 4
+    bits = 8 // phases
+    field = sum(((1 << bits) - 1) << (8 * j) for j in range(4))
+    pair_a = [v for j in range(32) for v in (j, 64 + j)]
+    pair_b = [v for j in range(32, 64) for v in (j, 64 + j)]
+    quads = [[v for j in range(16) for r in (16 * h + j,) for v in (2 * r, 2 * r + 1, 64 + 2 * r, 65 + 2 * r)]
+             for h in range(2)]
+
+    @intrinsic
+    def tile_dot_i8(typingctx, planes, base, xv, xoff, S):  # noqa: ANN001
+        sig = types.void(planes, types.int64, xv, types.int64, S)
+
+        def codegen(context, builder, signature, args):
+            pp = _data(context, builder, signature.args[0], args[0])
+            xp = _data(context, builder, signature.args[2], args[2])
+            sp = _data(context, builder, signature.args[4], args[4])
+            b64 = ir.VectorType(_I8, 64)
+            v16 = ir.VectorType(_I32, 16)
+            msk = ir.Constant(v16, [field] * 16)
+            acc = [ir.Constant(v16, [0] * 16)] * 4
+            for w in range(width // 4):
+                B = [_vec_load(builder, cgutils.gep(builder, pp, builder.add(args[1], ir.Constant(_I64, 64 * (4 * w + k)))),
+                               b64) for k in range(4)]
+                p01 = [builder.shuffle_vector(B[0], B[1], ir.Constant(ir.VectorType(_I32, 64), m)) for m in (pair_a, pair_b)]
+                p23 = [builder.shuffle_vector(B[2], B[3], ir.Constant(ir.VectorType(_I32, 64), m)) for m in (pair_a, pair_b)]
+                xs = []
+                for p in range(phases):
+                    off = builder.add(args[3], ir.Constant(_I64, w * phases + p))
+                    xs.append(_splat(builder, builder.load(cgutils.gep(builder, xp, off)), v16))
+                for c in range(4):
+                    mix = ir.Constant(ir.VectorType(_I32, 64), quads[c % 2])
+                    word = builder.bitcast(builder.shuffle_vector(p01[c // 2], p23[c // 2], mix), v16)
+                    for p in range(phases):
+                        part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
+                        acc[c] = _dot4_u8s8(builder, acc[c], builder.and_(part, msk), xs[p])
+            for c in range(4):
+                dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(_I64, 16 * c)), v16.as_pointer())
+                builder.store(acc[c], dst, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_dot_i8
+
+
+tile_dot_i8_nibbles = _make_tile_dot_i8(16)
+tile_dot_i8_crumbs = _make_tile_dot_i8(8)

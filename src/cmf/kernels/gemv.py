@@ -24,7 +24,7 @@ from . import _jit
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bf16_to_f32, f16_to_f32, int8_f32, threads
 from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
-from .q4 import TiledLinear, _tail_rows, split_x, tiles_run
+from .q4 import TiledLinear, _tail_rows, quantize_x, split_x, tiles_run
 from .q8 import Q8Linear, _fold
 from .vmath import gated
 
@@ -147,12 +147,12 @@ def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs, nt, j,
-                 act, width, has_tail):  # pragma: no cover - compiled
+def _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
+                 nt, j, act, width, has_tail):  # pragma: no cover - compiled
     for m in range(len(planes)):
         t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
         tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], params[m], exp2tabs[m], readys[m],
-                  srcs[m], scss[m], css[m], xp, xs, Y[:, offs[m]:])
+                  srcs[m], scss[m], css[m], xp, xs, xv, xd, Y[:, offs[m]:])
     if act >= 0 and not has_tail:
         t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
         apply_act(Y, width, act, t0 * TILE_R, t1 * TILE_R)
@@ -177,27 +177,36 @@ def _any_tail(tails):  # pragma: no cover - compiled
     return False
 
 
+@numba.njit(**SERIAL)
+def _tiled_x(X, xp, xs, q8, xd, zero):  # pragma: no cover - compiled
+    """The shared input: regrouped x, or int8 activations when ``q8`` is not empty."""
+    if q8.shape[0]:
+        quantize_x(X, q8, xd, xs, zero)
+    else:
+        split_x(X, xp, xs, zero)
+
+
 @numba.njit(**PARALLEL_ORDERED)
 def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp, xs,
-                zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
-    """The 4-bit family: every matrix shares one regrouped x (same code width)."""
-    split_x(X, xp, xs, zero)
+                q8, xv, xd, zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
+    """The 4-bit family: every matrix shares one regrouped (or int8) x (same code width)."""
+    _tiled_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
     for j in prange(nt):
-        _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs,
-                     nt, j, act, width, has_tail)
+        _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y,
+                     offs, nt, j, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
 
 @numba.njit(**SERIAL_ORDERED)
 def tiled_group_serial(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp,
-                       xs, zero, Y, offs, act, width):  # pragma: no cover - compiled
+                       xs, q8, xv, xd, zero, Y, offs, act, width):  # pragma: no cover - compiled
     """:func:`tiled_group` on the calling thread."""
-    split_x(X, xp, xs, zero)
+    _tiled_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
-    _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, Y, offs, 1, 0,
-                 act, width, has_tail)
+    _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
+                 1, 0, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
@@ -243,6 +252,11 @@ class MatvecGroup:
             gpr = self.in_features // 32
             self._xp = np.empty((1, o0.phases, gpr, o0.width), np.float32)
             self._xs = np.empty((1, gpr), np.float32)
+            # int8 activations only when every matrix of the group runs them
+            i8 = all(o.int8 for o in self.ops)
+            self._q8 = np.empty((1 if i8 else 0, gpr, 32 // (4 * o0.phases), o0.phases, 4), np.int8)
+            self._xv = self._q8.reshape(self._q8.shape[0], gpr * 32).view(np.int32)
+            self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
             self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (
                 "kind", "planes", "sc", "cw", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
@@ -278,11 +292,11 @@ class MatvecGroup:
         else:
             zero = self.ops[0].zero
             if nt > 1:
-                tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, zero, out, self.offs, nt, self.act,
-                            self.width)
+                tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, self._q8, self._xv, self._xd, zero, out,
+                            self.offs, nt, self.act, self.width)
             else:
-                tiled_group_serial(*self._tup, self._tiles, x, self._xp, self._xs, zero, out, self.offs, self.act,
-                                   self.width)
+                tiled_group_serial(*self._tup, self._tiles, x, self._xp, self._xs, self._q8, self._xv, self._xd, zero,
+                                   out, self.offs, self.act, self.width)
         return out
 
 

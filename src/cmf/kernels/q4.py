@@ -31,6 +31,7 @@ from numba import prange
 from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
+from ._ir import tile_dot_i8_crumbs, tile_dot_i8_nibbles
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, lo_nibble, plane_scales,
                    scratch, threads)
 
@@ -110,6 +111,16 @@ def _powers(t, params, exp2tab, t0, pw):  # pragma: no cover - compiled
                 pw[4 * R + i] = v
 
 
+@numba.njit(inline="always")
+def _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s):  # pragma: no cover - compiled
+    """s[i] = the scale of group g of row t·R + i (f16 bits, or the ladder rung of its code)."""
+    if kind == KIND_F16:
+        for i in range(R):
+            s[i] = f16_to_f32(sc[t, g, i])
+    else:
+        plane_scales(cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, kind == KIND_Q2TP)
+
+
 @numba.njit(**SERIAL_ORDERED)
 def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no cover - compiled
     """acc[i] = row (t·R + i) · X[ti] for one packed tile.
@@ -124,11 +135,7 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
     gpr = planes.shape[1]
     acc[:] = 0
     for g in range(gpr):
-        if kind == KIND_F16:
-            for i in range(R):
-                s[i] = f16_to_f32(sc[t, g, i])
-        else:
-            plane_scales(cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, kind == KIND_Q2TP)
+        _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
         z = xs[ti, g]
         if kind == KIND_Q2TP:
             for i in range(R):
@@ -165,12 +172,38 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
 
 
 @numba.njit(**SERIAL_ORDERED)
-def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y):
+def _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xz):  # pragma: no cover - compiled
+    """acc[i] = row (t·R + i) · X[ti] with X quantized to int8 per group (``quantize_x``): the
+    codes times the int8 activations are summed exactly in int32 (``_ir.tile_dot_i8_*``), then
+    acc[i] += s[i]·d·(S[i] − z·Σxq) per group."""
+    gpr = planes.shape[1]
+    width = planes.shape[2]
+    per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
+    acc[:] = 0
+    for g in range(gpr):
+        _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
+        base = (t * gpr + g) * width * R
+        if width == 16:
+            tile_dot_i8_nibbles(planes, base, xv[ti], g * per, S)
+        else:
+            tile_dot_i8_crumbs(planes, base, xv[ti], g * per, S)
+        d = xd[ti, g]
+        z = xz[ti, g]
+        for i in range(R):
+            acc[i] += s[i] * (d * (np.float32(S[i]) - z))
+
+
+@numba.njit(**SERIAL_ORDERED)
+def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y):
     """Y[ti, j·R + i] = row (tiles[j]·R + i) · X[ti] for tile positions j in [j0, j1).
 
     ``xp[ti, phase, g, k]`` is X regrouped by the position of a weight within its byte (see
-    ``split_x``); ``xs[ti, g]`` is the zero point times Σ of the group's x.
+    ``split_x``); ``xs[ti, g]`` is the zero point times Σ of the group's x. With int8
+    activations (``xv`` not empty, see ``quantize_x``) ``xp`` is unused and ``xs`` holds the
+    zero point times Σ of the group's int8 values.
     """  # pragma: no cover - compiled
+    i8 = xv.shape[0] > 0
+    S = np.empty(R, np.int32)
     acc = np.empty(R, np.float32)
     s = np.empty(R, np.float32)
     t0 = np.empty(R, np.float32)
@@ -182,32 +215,44 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
             ready[t] = 1
         if kind != KIND_F16:
             _powers(t, params, exp2tab, t0, pw)
-        for ti in range(xp.shape[0]):
-            _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs)
+        for ti in range(xs.shape[0]):
+            if i8:
+                _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xs)
+            else:
+                _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs)
             for i in range(R):
                 Y[ti, j * R + i] = acc[i]
 
 
 @numba.njit(**PARALLEL_ORDERED)
-def tiles_par(tiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y, nt):
+def tiles_par(tiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y, nt):
     """tiles_run over one contiguous chunk of the tile list per thread."""  # pragma: no cover
     n = tiles.shape[0]
     step = (n + nt - 1) // nt
     for c in prange(nt):
         j0 = min(n, c * step)
         j1 = min(n, j0 + step)
-        tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y)
+        tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y)
 
 
 @numba.njit(**SERIAL)
-def _x_parts(X, kind):  # pragma: no cover - compiled
-    """Regrouped x and zero-point sums for one call (see ``split_x``)."""
+def _x_parts(X, kind, i8):  # pragma: no cover - compiled
+    """Regrouped x and zero-point sums for one call (``split_x``), or with ``i8`` the int8
+    activations (``quantize_x``; then xp is empty)."""
     T, n = X.shape
+    gpr = n // GROUP
     phases = 4 if kind == KIND_Q2TP else 2
-    xp = np.empty((T, phases, n // GROUP, GROUP // phases), np.float32)
-    xs = np.empty((T, n // GROUP), np.float32)
-    split_x(X, xp, xs, np.float32(1.5) if kind == KIND_Q2TP else np.float32(8))
-    return xp, xs
+    zero = np.float32(1.5) if kind == KIND_Q2TP else np.float32(8)
+    xs = np.empty((T, gpr), np.float32)
+    if i8:
+        xp = np.empty((T, phases, 0, 0), np.float32)
+        q8 = np.empty((T, gpr, GROUP // (4 * phases), phases, 4), np.int8)
+        xd = np.empty((T, gpr), np.float32)
+        quantize_x(X, q8, xd, xs, zero)
+        return xp, xs, q8.reshape(T, gpr * GROUP).view(np.int32), xd
+    xp = np.empty((T, phases, gpr, GROUP // phases), np.float32)
+    split_x(X, xp, xs, zero)
+    return xp, xs, np.empty((0, 0), np.int32), np.empty((0, 0), np.float32)
 
 
 @numba.njit(**SERIAL)
@@ -227,23 +272,24 @@ def _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y):  # pragma: no c
 
 
 @numba.njit(**SERIAL_ORDERED)
-def matvec(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y):
+def matvec(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, i8):
     """Y = X @ W.T over whole tiles and the tail rows: one call per product, no Python between."""
-    xp, xs = _x_parts(X, kind)  # pragma: no cover - compiled
-    tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y)
+    xp, xs, xv, xd = _x_parts(X, kind, i8)  # pragma: no cover - compiled
+    tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd,
+              Y)
     _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
 
 
 @numba.njit(**PARALLEL_ORDERED)
-def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, nt):
+def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, nt, i8):
     """``matvec`` with the tiles split across ``nt`` threads (tail rows after, on one)."""
-    xp, xs = _x_parts(X, kind)  # pragma: no cover - compiled
+    xp, xs, xv, xd = _x_parts(X, kind, i8)  # pragma: no cover - compiled
     n = tiles.shape[0]
     step = (n + nt - 1) // nt
     for c in prange(nt):
         j0 = min(n, c * step)
         j1 = min(n, j0 + step)
-        tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, Y)
+        tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y)
     _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
 
 
@@ -263,6 +309,39 @@ def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
                     xp[t, j, g, k] = v
                     tot += v
             xs[t, g] = tot * zero
+
+
+@numba.njit(**SERIAL)
+def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
+    """int8 activations for the ``i8`` kernels, per group of 32: d = max|x|/127, q = rint(x/d)
+    (ties to even; computed as x·(1/d) in float32, as ``reference_quantize_x`` does).
+
+    ``q8[t, g, w, p, k]`` = q of weight P·(4w + k) + p of group g (P = 2 phases for nibbles, 4
+    for crumbs), so that word (w, p) read as int32 holds the four activations that meet the four
+    codes of phase p in bytes 4w..4w+3; xd[t, g] = d, xz[t, g] = zero·Σq. A group holding inf or
+    NaN gets d = NaN, so its rows come out NaN as in the float32 kernels."""
+    T, gpr, nw, P, _ = q8.shape
+    for t in range(T):
+        for g in range(gpr):
+            amax = np.float32(0)
+            bad = False
+            for j in range(GROUP):
+                a = abs(X[t, g * GROUP + j])
+                if not a <= np.float32(3.4e38):
+                    bad = True
+                amax = max(amax, a)
+            d = amax / np.float32(127)
+            inv = np.float32(1) / d if d > 0 and not bad else np.float32(0)
+            tot = 0
+            for w in range(nw):
+                for p in range(P):
+                    for k in range(4):
+                        v = np.rint(X[t, g * GROUP + P * (4 * w + k) + p] * inv)
+                        q = np.int32(v) if v == v else np.int32(0)
+                        q8[t, g, w, p, k] = q
+                        tot += q
+            xd[t, g] = np.float32(np.nan) if bad else d
+            xz[t, g] = zero * np.float32(tot)
 
 
 @numba.njit(**SERIAL)
@@ -317,11 +396,7 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
         for g in range(gpr):
-            if kind == KIND_F16:
-                for i in range(R):
-                    s[i] = f16_to_f32(sc[t, g, i])
-            else:
-                plane_scales(cw, (t * gpr + g) * CODE_BYTES, base, pw, s, kind == KIND_Q2TP)
+            _group_scales(t, g, gpr, kind, sc, cw, base, pw, s)
             for k in range(width):
                 pk = planes[t, g, k]
                 if width == 16:
@@ -348,6 +423,11 @@ def tiles_dequant_t_par(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, sr
         if a < b:
             tiles_dequant_t(a, b, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs,
                             out[:, (a - t0) * R:(b - t0) * R])
+
+
+_NO_XP = np.zeros((0, 2, 0, 0), np.float32)
+_NO_XV = np.zeros((0, 0), np.int32)
+_NO_XD = np.zeros((0, 0), np.float32)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -399,6 +479,7 @@ class TiledLinear(FusedLinear):
             self.cs = data[a + 4 * rows:].reshape(rows, (5 * gpr + 7) // 8)
             self.exp2tab = _exp2_table()
         self.width = 8 if self.kind == KIND_Q2TP else 16
+        self.int8 = False  # int8 activations in the fused products (use_int8_activations)
         self.phases = GROUP // self.width
         self.zero = np.float32(8 if self.width == 16 else 1.5)
         self.ntiles = rows // R
@@ -415,37 +496,49 @@ class TiledLinear(FusedLinear):
         return (self.kind, self.planes, self.sc, self.cw, self.params, self.exp2tab, self.ready,
                 self.src, self.scs, self.cs)
 
-    def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def use_int8_activations(self, on: bool = True) -> bool:
+        """Run the fused products (decode, small batches) with activations quantized to int8 per
+        group of 32, as llama.cpp does for its 4-bit types: integer dot products, ~2× faster on
+        CPUs with VNNI, results within ~1e-2 relative of the exact product (``quantize_x``).
+        The batched path (prefill) stays exact. Returns the new setting."""
+        self.int8 = bool(on)
+        return self.int8
+
+    def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         T = X.shape[0]
         gpr = self.in_features // GROUP
-        xp = scratch("q4-xp", (T, self.phases, gpr, self.width))
         xs = scratch("q4-xs", (T, gpr))
+        if self.int8:
+            q8 = scratch("q4-xq", (T, gpr, GROUP // (4 * self.phases), self.phases, 4), np.int8)
+            xd = scratch("q4-xd", (T, gpr))
+            quantize_x(X, q8, xd, xs, self.zero)
+            return _NO_XP, xs, q8.reshape(T, gpr * GROUP).view(np.int32), xd
+        xp = scratch("q4-xp", (T, self.phases, gpr, self.width))
         split_x(X, xp, xs, self.zero)
-        return xp, xs
+        return xp, xs, _NO_XV, _NO_XD
 
     def _decode(self, rows: np.ndarray, out: np.ndarray) -> None:
         decode_rows(rows, self.kind, self.src, self.scs, self.cs, self.params, self.exp2tab, out)
 
-    def _tiles(self, tiles: np.ndarray, xp, xs, Y, par: bool) -> None:
+    def _tiles(self, tiles: np.ndarray, parts: tuple, Y, par: bool) -> None:
         if par and tiles.size > 1:
-            tiles_par(tiles, *self._args(), xp, xs, Y, threads())
+            tiles_par(tiles, *self._args(), *parts, Y, threads())
         else:
-            tiles_run(tiles, 0, tiles.size, *self._args(), xp, xs, Y)
+            tiles_run(tiles, 0, tiles.size, *self._args(), *parts, Y)
 
     def _matmul(self, X, Y, par):
         if par and self.ntiles > 1:
-            matvec_par(X, self.all_tiles, self.tail, *self._args(), Y, threads())
+            matvec_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), self.int8)
         else:
-            matvec(X, self.all_tiles, self.tail, *self._args(), Y)
+            matvec(X, self.all_tiles, self.tail, *self._args(), Y, self.int8)
 
     def _matmul_rows(self, rows, X, Y, par):
         tile_of = rows // R
         in_tiles = tile_of < self.ntiles
         if in_tiles.any():
             tiles, slot = np.unique(tile_of[in_tiles], return_inverse=True)
-            xp, xs = self._split(X)
             Yt = scratch("q4-rows", (X.shape[0], tiles.size * R))
-            self._tiles(tiles, xp, xs, Yt, par and tiles.size > 1)
+            self._tiles(tiles, self._split(X), Yt, par and tiles.size > 1)
             Y[:, in_tiles] = Yt[:, slot * R + rows[in_tiles] % R]
         if not in_tiles.all():
             extra = rows[~in_tiles]

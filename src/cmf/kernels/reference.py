@@ -61,3 +61,17 @@ class ReferenceLinear:
 
 def prepare_reference(tensor) -> ReferenceLinear:
     return ReferenceLinear(tensor)
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as the int8-activation kernels see it (``q4.quantize_x``), dequantized: per group of 32
+    features d = max|x|/127 and x̂ = rint(x·(1/d))·d, all in float32. The oracle for
+    ``TiledLinear.use_int8_activations``: its rows equal ``decode(W) @ x̂`` (whole 64-row tiles;
+    rows past the last whole tile use x itself)."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    g = a.reshape(*a.shape[:-1], -1, 32)
+    d = (np.abs(g).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint((g * inv).astype(np.float32))
+    return (q * d).astype(np.float32).reshape(a.shape)

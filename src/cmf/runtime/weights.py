@@ -62,9 +62,10 @@ class Weights:
     """Named tensor access for one model, with skill indirection and soft blends (spec §9)."""
 
     def __init__(self, file: CmfFile, skill: str | None = None, *, blend: Mapping[str | None, float] | None = None,
-                 reference_kernels: bool = False) -> None:
+                 reference_kernels: bool = False, int8_activations: bool = False) -> None:
         self.file = file
         self.reference = reference_kernels
+        self.int8 = int8_activations  # the 4-bit family's fused products take int8 activations
         self.skill: str | None = None
         self.blend: dict[str | None, float] | None = None
         self._index = skill_index(file)
@@ -179,7 +180,7 @@ class Weights:
             if name in self._mixed:
                 op = DenseLinear(self.dense(name))
             else:
-                op = kernels.prepare(self.qtensor(name), reference=self.reference)
+                op = kernels.prepare(self.qtensor(name), reference=self.reference, int8_activations=self.int8)
             self._linears[name] = op
         return op
 

@@ -25,8 +25,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", choices=("md", "json"), default="md")
     p.add_argument("--compare", default=None, metavar="ENGINES",
-                   help="also run hf and/or llama.cpp on the same weights (comma list: hf,llama.cpp), "
-                        "each engine in a fresh process, interleaved; prints one table with ratios")
+                   help="also run hf and/or llama.cpp on the same weights (comma list: hf,llama.cpp; "
+                        "pycmf-int8 adds pycmf with int8 activations on 4-bit files), each engine in a fresh "
+                        "process, interleaved; prints one table with ratios")
     p.set_defaults(run=run)
     return p
 

@@ -25,7 +25,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("pycmf", "hf", "llama.cpp")
+ENGINES = ("pycmf", "pycmf-int8", "hf", "llama.cpp")
+FOUR_BIT = {"q4_block", "q4_tiled", "q4tp", "q2tp"}  # the dtypes int8 activations apply to
 PROMPT_FOR_DECODE = 32
 
 
@@ -62,10 +63,11 @@ def _peak_mb() -> float:
 # ------------------------------------------------------------------------------ engine workers
 
 
-def _time_pycmf(model: str, n_prompt: int, n_gen: int, threads: int | None) -> dict[str, float]:
+def _time_pycmf(model: str, n_prompt: int, n_gen: int, threads: int | None,
+                int8: bool = False) -> dict[str, float]:
     from ..runtime.model import load
 
-    m = load(model, threads=threads)
+    m = load(model, threads=threads, int8_activations=int8)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, m.plan.vocab, max(n_prompt, PROMPT_FOR_DECODE))
     m.prefill(ids[:8], m.new_cache())  # warm the kernels (numba cache load)
@@ -140,7 +142,11 @@ def _time_llama(gguf_path: str, n_prompt: int, n_gen: int, threads: int | None) 
     return out
 
 
-_WORKERS = {"pycmf": _time_pycmf, "hf": _time_hf, "llama.cpp": _time_llama}
+def _time_pycmf_int8(model: str, n_prompt: int, n_gen: int, threads: int | None) -> dict[str, float]:
+    return _time_pycmf(model, n_prompt, n_gen, threads, int8=True)
+
+
+_WORKERS = {"pycmf": _time_pycmf, "pycmf-int8": _time_pycmf_int8, "hf": _time_hf, "llama.cpp": _time_llama}
 
 
 def worker_main(argv: list[str]) -> int:
@@ -161,6 +167,9 @@ def prepare_peers(model: Path, engines: list[str], workdir: Path) -> dict[str, t
     dtypes = _matrix_dtypes(model)
     label = "/".join(sorted(dtypes))
     out["pycmf"] = (str(model), label)
+    if "pycmf-int8" in engines:
+        out["pycmf-int8"] = ((str(model), f"{label}, int8 activations") if dtypes & FOUR_BIT else
+                             "int8 activations apply to 4-bit files only (q4_block, q4_tiled, q4tp, q2tp)")
     if "hf" in engines:
         try:
             import torch  # noqa: F401

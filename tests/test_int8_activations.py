@@ -1,0 +1,143 @@
+"""int8 activations for the 4-bit family's fused products (``kernels.prepare(int8_activations=True)``).
+
+The kernels sum codes × int8 activations exactly in int32, so their rows must equal the decoded
+matrix times the activations as ``reference.int8_activations`` rounds them (float32 summation
+order aside); rows past the last whole 64-row tile, and the batched (prefill) path, stay exact.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import cmf.quant as q
+from cmf.format.reader import open as cmf_open
+from cmf.format.writer import CmfWriter
+from cmf.kernels import _jit, prepare
+from cmf.kernels.gemv import MatvecGroup
+from cmf.kernels.reference import ReferenceLinear, int8_activations
+
+from _builders import header
+
+DTYPES = ["q4_block", "q4_tiled", "q4tp", "q2tp"]
+SHAPE = (200, 320)  # three whole tiles and an 8-row tail; ten groups per row
+
+
+def _close(got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:
+    scale = max(float(np.abs(want).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - want).max()) / scale
+    assert err <= tol, f"relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal(SHAPE) * np.exp2(rng.normal(0, 1, (SHAPE[0], 1))) * 0.02).astype(np.float32)
+    w[7] = 0
+    w[100, 64:96] = 0  # a dead group
+    path = tmp_path_factory.mktemp("int8") / "m.cmf"
+    with CmfWriter(path, header()) as wr:
+        for name in DTYPES:
+            wr.add(name, name, SHAPE, q.encode(w, name))
+    f = cmf_open(path)
+    yield f
+    f.close()
+
+
+def _inputs() -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, SHAPE[1])).astype(np.float32)
+    x[1, :32] = 0  # an all-zero group: d = 0
+    x[2, 40] = 60.0  # an outlier dominating its group
+    return [x[0], x, np.abs(x[:1])]
+
+
+def _want(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    tiles = SHAPE[0] // 64 * 64
+    xh = int8_activations(x).astype(np.float64)
+    out = x.astype(np.float64) @ w.T
+    out[..., :tiles] = xh @ w[:tiles].T
+    return out
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_matches_the_int8_oracle(model, name: str) -> None:
+    t = model.tensor(name)
+    op = prepare(t, int8_activations=True)
+    assert op.int8
+    w = ReferenceLinear(t).dense().astype(np.float64)
+    for x in _inputs():
+        got = op(x)
+        _close(got, _want(w, x))
+        exact = x.astype(np.float64) @ w.T
+        _close(got, exact, 2e-2)  # the price of int8 activations, as in llama.cpp
+    x = _inputs()[1]
+    pick = np.array([199, 0, 7, 100, 64, 130])
+    _close(op.rows(pick, x), _want(w, x)[:, pick])
+    X = np.random.default_rng(9).standard_normal((40, SHAPE[1])).astype(np.float32)
+    _close(op(X), X.astype(np.float64) @ w.T)  # the batched path stays exact
+
+
+@pytest.mark.parametrize("name", ["q4tp", "q2tp"])
+def test_parallel_and_grouped_paths_agree(model, name: str, monkeypatch) -> None:
+    t = model.tensor(name)
+    x = _inputs()[1][:1]
+    serial = prepare(t, int8_activations=True)(x)
+    monkeypatch.setattr(_jit, "PARALLEL_MIN_BYTES", 0)
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        a, b = prepare(t, int8_activations=True), prepare(t, int8_activations=True)
+        assert np.array_equal(a(x), serial)
+        out = np.empty((1, 2 * SHAPE[0]), np.float32)
+        MatvecGroup([a, b])(x, out, 2)
+        assert np.array_equal(out[:, :SHAPE[0]], serial) and np.array_equal(out[:, SHAPE[0]:], serial)
+        MatvecGroup([a, b])(x, out, 1)
+        assert np.array_equal(out[:, SHAPE[0]:], serial)
+    finally:
+        numba.set_num_threads(old)
+
+
+def test_non_finite_input_gives_nan_rows_not_garbage(model) -> None:
+    op = prepare(model.tensor("q4tp"), int8_activations=True)
+    x = _inputs()[0].copy()
+    x[5] = np.inf
+    y = op(x)
+    assert np.isnan(y[:192]).all()  # as the exact kernel: inf times a zero scale is NaN too
+
+
+def test_off_by_default_and_exact(model) -> None:
+    t = model.tensor("q4tp")
+    op = prepare(t)
+    assert not op.int8
+    x = _inputs()[0]
+    _close(op(x), x.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T)
+
+
+def test_model_decode_with_int8_activations(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers")
+    import hf_fixtures as H
+
+    from cmf.cli import main
+    from cmf.convert import convert
+    from cmf.runtime.model import load
+
+    path = tmp_path / "q4tp.cmf"
+    convert(H.fixture("qwen3"), path, quant="q4tp")
+    ids = [3 + (7 * i) % 60 for i in range(40)]
+    logits = {}
+    for i8 in (False, True):
+        with load(path, int8_activations=i8) as m:
+            assert m.int8_activations is i8
+            assert any(getattr(op, "int8", False) for op in m.weights._linears.values()) is i8
+            cache = m.new_cache()
+            first = m.prefill(ids, cache)[-1]
+            steps = [m.forward([t], cache)[-1] for t in (4, 8, 15)]
+            logits[i8] = (first, np.stack(steps))
+    exact = np.concatenate([logits[False][0][None], logits[False][1]])
+    fast = np.concatenate([logits[True][0][None], logits[True][1]])
+    assert not np.array_equal(exact, fast)
+    assert float(np.abs(fast - exact).max()) <= 5e-2 * float(np.abs(exact).max())
+    assert main(["run", str(path), "-p", "hello", "-n", "4", "--int8-act", "--raw"]) == 0
+    assert "finish" in capsys.readouterr().err
