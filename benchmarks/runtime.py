@@ -36,6 +36,7 @@ from convert import MODELS, QUICK, write_checkpoint  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 DTYPES = ["f32", "f16", "bf16", "q8", "q8_2f", "q4", "q4t", "q4tp", "q2tp", "vbit", "q1", "q1t"]
 COMPARE = ["f32", "f16", "q8", "q4tp", "q4t"]
+INT8 = ["q4", "q4t", "q4tp", "q2tp"]  # also measured with int8 activations (CMF_INT8_ACT=1), as "<dtype>+i8"
 BANDWIDTH = 45e9  # bytes/s the issue's bound uses (2-thread streaming read measured 46.8 GB/s)
 LLAMA = {"f16": ("F16", 95.3, 951), "q8": ("Q8_0", 154.5, 728), "q8_2f": ("Q8_0", 154.5, 728),
          "q4tp": ("Q4_0", 234.2, 1274), "q4t": ("Q4_0", 234.2, 1274)}  # the issue's measurements
@@ -170,12 +171,17 @@ def bytes_per_token(path: Path) -> int:
         return sum(t.nbytes for t in f.tensors() if len(t.shape) == 2 and "embed_tokens" not in t.name)
 
 
+def cell_env(label: str) -> dict:
+    """The child environment of a matrix cell: "+i8" cells run with int8 activations."""
+    return {"CMF_INT8_ACT": "1" if label.endswith("+i8") else "0"}
+
+
 def matrix(files: dict[str, Path], rounds: int) -> dict:
     runs: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
         for q, p in files.items():
             for t in (1, 2):
-                runs.setdefault((q, t), []).append(worker("bench", p, t))
+                runs.setdefault((q, t), []).append(worker("bench", p, t, cell_env(q)))
                 print(f"round {r + 1}: {q} t={t} {runs[(q, t)][-1]}", file=sys.stderr)
     return runs
 
@@ -223,15 +229,19 @@ def render(files, runs, compare, ttft, masks, tiny_rss) -> str:
         for q, res in compare.items():
             base = {r["engine"]: r for r in res["rows"]}
             py = base["pycmf"]
+            i8 = base.get("pycmf-int8")
             for r in res["rows"]:
+                mine = r["engine"].startswith("pycmf")
                 crow.append([q, r["engine"], r["format"], f"{r['size_bytes'] / 2**20:.0f}",
                              f"{r['decode_tps']:.1f}", f"{r['prefill_tps']:.0f}", f"{r['peak_rss_mb']:.0f}",
-                             "" if r is py else f"{py['decode_tps'] / r['decode_tps']:.2f}×",
-                             "" if r is py else f"{py['prefill_tps'] / r['prefill_tps']:.2f}×"])
+                             "" if mine else f"{py['decode_tps'] / r['decode_tps']:.2f}×",
+                             "" if mine else f"{py['prefill_tps'] / r['prefill_tps']:.2f}×",
+                             "" if mine or i8 is None else f"{i8['decode_tps'] / r['decode_tps']:.2f}×"])
             for e, why in res["skipped"].items():
-                crow.append([q, e, "skipped", "", "", "", "", why, ""])
+                if e != "pycmf-int8":
+                    crow.append([q, e, "skipped", "", "", "", "", why, "", ""])
         out.append(table(["file", "engine", "format", "MiB", "decode t/s", "prefill t/s", "peak RSS MB",
-                          "pycmf ÷ peer decode", "pycmf ÷ peer prefill"], crow))
+                          "pycmf ÷ peer decode", "pycmf ÷ peer prefill", "pycmf int8 act. ÷ peer decode"], crow))
     if ttft:
         out.append("\nTime to first token, fresh `python` process (imports + load + 32-token prefill + argmax), "
                    "2 threads, seconds (median of the runs):\n")
@@ -272,6 +282,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script runs")
+    ap.add_argument("--no-int8", dest="int8", action="store_false",
+                    help="skip the int8-activation cells of the 4-bit files (q4, q4t, q4tp, q2tp +i8)")
     ap.add_argument("--write", action="store_true", help="append the run to RESULTS.md (## runtime)")
     ap.add_argument("--wait-idle", type=float, default=120.0,
                     help="before each measured process, wait up to this many seconds for the other processes "
@@ -285,15 +297,17 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     model = QUICK["qwen3-0.2b"] if args.quick else MODELS["qwen3-0.2b"]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    files = build(base, model, dtypes)
+    files = build(base, model, [d.removesuffix("+i8") for d in dtypes])
+    for d in [d for d in dtypes if d.endswith("+i8")] + ([f"{d}+i8" for d in INT8 if d in dtypes] if args.int8 else []):
+        files[d] = files[d.removesuffix("+i8")]
     rounds = 1 if args.quick else args.rounds
     runs = matrix(files, rounds)
     compare = {}
     if not args.no_compare:
         from cmf.tools.bench_compare import compare as run_compare
 
-        for q in [d for d in COMPARE if d in files]:
-            compare[q] = run_compare(files[q], ["hf", "llama.cpp"], n_prompt=PREFILL, n_gen=GEN,
+        for q in [d for d in COMPARE if d in files and not d.endswith("+i8")]:
+            compare[q] = run_compare(files[q], ["hf", "llama.cpp", "pycmf-int8"], n_prompt=PREFILL, n_gen=GEN,
                                      reps=1 if args.quick else args.compare_reps, threads=2, before_run=wait_idle)
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
     ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)

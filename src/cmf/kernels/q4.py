@@ -32,8 +32,8 @@ from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
 from ._ir import tile_dot_i8_crumbs, tile_dot_i8_nibbles
-from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, lo_nibble, plane_scales,
-                   scratch, threads)
+from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
+                   plane_scales, scratch, threads)
 
 R = 64  # rows per tile: four 16-lane vectors
 CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i)
@@ -484,10 +484,10 @@ class TiledLinear(FusedLinear):
         self.zero = np.float32(8 if self.width == 16 else 1.5)
         self.ntiles = rows // R
         nt = self.ntiles
-        # np.zeros maps untouched zero pages: nothing is resident until a tile is packed.
-        self.planes = np.zeros((nt, gpr, self.width, R), np.uint8)
-        self.sc = np.zeros((nt, gpr, R) if self.kind == KIND_F16 else (0, 0, 0), np.uint16)
-        self.cw = np.zeros(nt * gpr * CODE_BYTES if self.kind != KIND_F16 else 0, np.uint8)
+        # zero pages, in huge pages (_jit.huge_zeros): nothing is resident until a tile is packed
+        self.planes = huge_zeros((nt, gpr, self.width, R), np.uint8)
+        self.sc = huge_zeros((nt, gpr, R) if self.kind == KIND_F16 else (0, 0, 0), np.uint16)
+        self.cw = huge_zeros((nt * gpr * CODE_BYTES if self.kind != KIND_F16 else 0,), np.uint8)
         self.ready = np.zeros(nt, np.uint8)
         self.all_tiles = np.arange(nt, dtype=np.int64)
         self.tail = np.arange(nt * R, rows, dtype=np.int64)

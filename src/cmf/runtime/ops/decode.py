@@ -21,7 +21,7 @@ _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
 _FAST = dict(_EXACT, fastmath={"contract", "nsz", "arcp", "reassoc"})
 # Attention over fewer (heads × positions × dims) than this runs on one thread: a parallel
 # region costs more than it saves.
-PARALLEL_ATTEND = 1 << 17
+PARALLEL_ATTEND = 1 << 13
 
 
 @numba.njit(**_EXACT)
