@@ -279,3 +279,28 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
 
 tile_dot_i8_nibbles = _make_tile_dot_i8(16)
 tile_dot_i8_crumbs = _make_tile_dot_i8(8)
+
+
+@intrinsic
+def expand_nibbles(typingctx, src, soff, scale, out, ooff):  # noqa: ANN001
+    """out[ooff : ooff + 32] = (nibble − 8)·scale for the 16 bytes at src[soff:] (weight 2k is
+    byte k's low nibble, 2k+1 its high one): one 16-byte load, the two nibble vectors interleaved
+    by a byte shuffle, one conversion and a 32-lane multiply — the same float32 operations as
+    ``(lo_nibble(b) − 8)·s`` one weight at a time, so the same bits."""
+    sig = types.void(src, types.int64, types.float32, out, types.int64)
+
+    def codegen(context, builder, signature, args):
+        sp = _data(context, builder, signature.args[0], args[0])
+        op = _data(context, builder, signature.args[3], args[3])
+        b16 = ir.VectorType(_I8, 16)
+        v32 = ir.VectorType(_F32, 32)
+        raw = _vec_load(builder, cgutils.gep(builder, sp, args[1]), b16)
+        lo = builder.and_(raw, ir.Constant(b16, [15] * 16))
+        hi = builder.lshr(raw, ir.Constant(b16, [4] * 16))
+        mix = ir.Constant(ir.VectorType(_I32, 32), [v for k in range(16) for v in (k, 16 + k)])
+        codes = builder.uitofp(builder.shuffle_vector(lo, hi, mix), v32)
+        vals = builder.fmul(builder.fsub(codes, ir.Constant(v32, [8.0] * 32)), _splat(builder, args[2], v32))
+        builder.store(vals, builder.bitcast(cgutils.gep(builder, op, args[4]), v32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -20,7 +20,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ..kernels._jit import f16_to_f32, hi_nibble, lo_nibble  # exact conversions in registers
+from ..kernels._ir import expand_nibbles
+from ..kernels._jit import f16_to_f32  # exact conversions in registers
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -127,13 +128,12 @@ def q8_decode(q: np.ndarray, scales: np.ndarray, col: np.ndarray, out: np.ndarra
 
 @njit(**_SER)
 def _q4_groups_range(packed, scales, out, lo, hi):  # pragma: no cover - compiled
+    # one group per expand_nibbles: a shuffle interleaves the two nibble vectors (the per-weight
+    # loop left LLVM to interleave 32 scalar stores: 9.6 GB/s on 2 threads)
+    p = packed.reshape(-1)
+    o = out.reshape(-1)
     for g in range(lo, hi):
-        s = scales[g]
-        p = packed[g]
-        o = out[g]
-        for k in range(16):  # 8-bit nibble arithmetic vectorizes; values identical to int32 math
-            o[2 * k] = (lo_nibble(p[k]) - np.float32(8)) * s
-            o[2 * k + 1] = (hi_nibble(p[k]) - np.float32(8)) * s
+        expand_nibbles(p, 16 * g, scales[g], o, 32 * g)
 
 
 @njit(**_PAR)
@@ -155,13 +155,11 @@ def q4_groups_decode(packed: np.ndarray, scales: np.ndarray, out: np.ndarray) ->
 
 @njit(**_SER)
 def _q4_tiles_range(tiles, table, out, lo, hi):  # pragma: no cover - compiled
+    t = tiles.reshape(-1)
+    o = out.reshape(-1)
     for g in range(lo, hi):
         s = table[np.int64(tiles[g, 0]) | (np.int64(tiles[g, 1]) << 8)]
-        p = tiles[g]
-        o = out[g]
-        for k in range(16):
-            o[2 * k] = (lo_nibble(p[2 + k]) - np.float32(8)) * s
-            o[2 * k + 1] = (hi_nibble(p[2 + k]) - np.float32(8)) * s
+        expand_nibbles(t, 18 * g + 2, s, o, 32 * g)
 
 
 @njit(**_PAR)
@@ -187,6 +185,9 @@ def q4_tiles_decode(tiles: np.ndarray, table: np.ndarray, out: np.ndarray) -> No
 def _ladder_range(planes, codes, ladder, values, out, lo, hi):  # pragma: no cover - compiled
     gpr, per = planes.shape[1], planes.shape[2]
     k = values.shape[1]
+    flat = planes.reshape(-1)
+    oflat = out.reshape(-1)
+    cols = out.shape[1]
     for r in range(lo, hi):
         for g in range(gpr):
             bit = 5 * g
@@ -195,13 +196,11 @@ def _ladder_range(planes, codes, ladder, values, out, lo, hi):  # pragma: no cov
             if byte + 1 < codes.shape[1]:
                 word |= np.int64(codes[r, byte + 1]) << 8
             s = ladder[r, (word >> (bit & 7)) & 31]
-            o = out[r, g * 32:(g + 1) * 32]
-            p = planes[r, g]
             if per == 16:  # nibbles: (q - 8)·s, exactly values[b, i]·s without the table gather
-                for j in range(16):
-                    o[2 * j] = (lo_nibble(p[j]) - np.float32(8)) * s
-                    o[2 * j + 1] = (hi_nibble(p[j]) - np.float32(8)) * s
+                expand_nibbles(flat, (r * gpr + g) * 16, s, oflat, r * cols + g * 32)
             else:
+                o = out[r, g * 32:(g + 1) * 32]
+                p = planes[r, g]
                 for j in range(per):
                     b = p[j]
                     for i in range(k):
