@@ -44,6 +44,7 @@ from cmf.quant import _fast  # noqa: E402
 DTYPES = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro",
           "q1", "q1s", "q1t"]
 GGUF_PAIRS = {"q8_row": "Q8_0", "q4_block": "Q4_0", "bf16": "BF16"}
+INT8 = ["q4_block", "q4_tiled", "q4tp", "q2tp"]  # also measured with int8 activations ("+i8")
 TARGETS = {"q8_row": 35.0, "q8_2f": 35.0, "q4_block": 20.0, "q4_tiled": 20.0, "q4tp": 20.0}
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -232,23 +233,29 @@ def kernel_rows(w: np.ndarray, blobs: dict[str, bytes], repeat: int) -> tuple[li
     X = rng.standard_normal((64, n)).astype(np.float32)
     flops = 2.0 * 64 * w.size
     rows = []
-    for name in DTYPES:
+    cells = [(name, False) for name in DTYPES]
+    for name in INT8:  # the 4-bit family again with int8 activations, after its exact row
+        cells.insert(cells.index((name, False)) + 1, (name, True))
+    for name, i8 in cells:
         op = prepare_fused(_qtensor(name, blobs[name], w.shape))
+        if i8:
+            op.use_int8_activations(True)
+        label = f"{name} +i8" if i8 else name
         gbs = []
         for th in (1, 2):
             # numba's threads only: re-setting OpenBLAS's thread count wakes its pool, whose
             # spinning workers then take a core from the next 2-thread product (measured 25 -> 13 GB/s)
             numba.set_num_threads(th)
-            med, best = clean_times(f"{name} mat-vec {th}t", lambda: op(x), repeat * 3)
+            med, best = clean_times(f"{label} mat-vec {th}t", lambda: op(x), repeat * 3)
             gbs.append((op.nbytes / med / 1e9, op.nbytes / best / 1e9))
-        gmed, gbest = clean_times(f"{name} batched", lambda: op(X), max(3, repeat // 2), warmup=1)
+        gmed, gbest = clean_times(f"{label} batched", lambda: op(X), max(3, repeat // 2), warmup=1)
         tgt = TARGETS.get(name)
         mark = "" if tgt is None else f"{gbs[1][0] / tgt:.2f}× of {tgt:.0f}"
         weights = w.size / (op.nbytes / gbs[1][0] / 1e9) / 1e9 if gbs[1][0] else 0.0
-        rows.append([name, f"{op.nbytes / 1e6:.1f}", f"{gbs[0][0]:.1f} ({gbs[0][1]:.1f})",
+        rows.append([label, f"{op.nbytes / 1e6:.1f}", f"{gbs[0][0]:.1f} ({gbs[0][1]:.1f})",
                      f"{gbs[1][0]:.1f} ({gbs[1][1]:.1f})", mark, f"{weights:.1f}",
                      f"{flops / gmed / 1e9:.0f} ({flops / gbest / 1e9:.0f})"])
-        print(f"kernel {name}: done", file=sys.stderr, flush=True)
+        print(f"kernel {label}: done", file=sys.stderr, flush=True)
     dense = {}
     for th in (1, 2):
         set_threads(th)
@@ -309,7 +316,10 @@ def run(size: int, repeat: int) -> str:
         "Mat-vec GB/s counts the payload bytes read per product (x = one vector). At 4096² a q8/q4 payload "
         "(8–17 MB) fits this CPU's 32 MB L3 cache, so repeated products can run above the DRAM bound (~45 GB/s "
         "on 2 threads); a model's layers do not. q4_block/q4_tiled/q4tp/q2tp run on 64-row tiles repacked at first "
-        "use (no larger than the payload, see docs/ARCHITECTURE.md); the first product pays the repack.\n\n"
+        "use (no larger than the payload, see docs/ARCHITECTURE.md); the first product pays the repack. "
+        "`+i8` rows: the same kernels with int8 activations (`use_int8_activations`, opt-in; x quantized per "
+        "group of 32, integer dot products, results ~1e-2 relative from the exact product; the batched path "
+        "stays exact).\n\n"
         f"### Fused vs batched for small T (2 threads)\n\n{table(xhead, xrows)}\n\n"
         "Batches up to `fused_max_t` vectors use the fused kernel (weights read once per product), larger "
         "ones the batched path: for f16/bf16/q8/4-bit, `kernels.gemm` (each numba thread dequantizes its rows "
