@@ -246,6 +246,7 @@ def kernel_rows(w: np.ndarray, blobs: dict[str, bytes], repeat: int) -> tuple[li
             # numba's threads only: re-setting OpenBLAS's thread count wakes its pool, whose
             # spinning workers then take a core from the next 2-thread product (measured 25 -> 13 GB/s)
             numba.set_num_threads(th)
+            time.sleep(0.5)  # let the previous batched product's BLAS / numba workers stop spinning
             med, best = clean_times(f"{label} mat-vec {th}t", lambda: op(x), repeat * 3)
             gbs.append((op.nbytes / med / 1e9, op.nbytes / best / 1e9))
         gmed, gbest = clean_times(f"{label} batched", lambda: op(X), max(3, repeat // 2), warmup=1)

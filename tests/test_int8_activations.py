@@ -92,9 +92,11 @@ def test_parallel_and_grouped_paths_agree(model, name: str, monkeypatch) -> None
         assert np.array_equal(a(x), serial)
         out = np.empty((1, 2 * SHAPE[0]), np.float32)
         MatvecGroup([a, b])(x, out, 2)
-        assert np.array_equal(out[:, :SHAPE[0]], serial) and np.array_equal(out[:, SHAPE[0]:], serial)
+        # another compiled driver: LLVM may contract a multiply-add differently (an ulp or two)
+        assert np.array_equal(out[:, :SHAPE[0]], out[:, SHAPE[0]:])
+        _close(out[:, SHAPE[0]:], serial.astype(np.float64), 1e-6)
         MatvecGroup([a, b])(x, out, 1)
-        assert np.array_equal(out[:, SHAPE[0]:], serial)
+        _close(out[:, SHAPE[0]:], serial.astype(np.float64), 1e-6)
     finally:
         numba.set_num_threads(old)
 

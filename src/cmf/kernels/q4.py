@@ -88,27 +88,33 @@ def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - com
                 cw[base + 8 * p + j] = np.uint8(v)
 
 
-@numba.njit(**SERIAL)
+@numba.njit(**SERIAL_ORDERED)
 def _powers(t, params, exp2tab, t0, pw):  # pragma: no cover - compiled
     """Per row of tile t: t0 = 2^lo and pw[p] = ratio^(2^p), the ratio multiplied in one factor
     at a time like the codec's ladder, so rung c = t0·Π pw[p]^bit_p(c) is within a few ulps of
-    the ladder's iterated product."""
+    the ladder's iterated product.
+
+    The chain of 15 dependent multiplies runs across the 64 rows at once (straight-line code
+    over a row index, which LLVM vectorizes; no reassociation, so the same products in the same
+    order): one row at a time it cost ~60 cycles a row, 1.3 µs a tile — as much as the tile's
+    whole product for a 1024-wide matrix."""
     for i in range(R):
         row = t * R + i
         t0[i] = exp2tab[params[row, 0]]
-        r = exp2tab[params[row, 1]]
-        v = r
-        pw[i] = r
-        for k in range(2, 17):
-            v *= r
-            if k == 2:
-                pw[R + i] = v
-            elif k == 4:
-                pw[2 * R + i] = v
-            elif k == 8:
-                pw[3 * R + i] = v
-            elif k == 16:
-                pw[4 * R + i] = v
+        pw[i] = exp2tab[params[row, 1]]
+    for i in range(R):
+        r = pw[i]
+        v = r * r
+        pw[R + i] = v  # r^2
+        v = v * r
+        v = v * r
+        pw[2 * R + i] = v  # r^4
+        for _ in range(4):
+            v = v * r
+        pw[3 * R + i] = v  # r^8
+        for _ in range(8):
+            v = v * r
+        pw[4 * R + i] = v  # r^16
 
 
 @numba.njit(inline="always")
