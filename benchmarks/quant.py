@@ -147,6 +147,7 @@ def wait_idle(limit: float) -> bool:
     return False
 
 
+FLOOR: dict = {}  # time to allocate and touch one fresh output array; gguf-py GB/s per type
 WAIT = 0.0  # seconds to wait for an idle machine before each timed kernel (--wait-idle)
 QUIET: list[bool] = []
 DISTURBED: list[str] = []
@@ -198,7 +199,7 @@ def codec_rows(w: np.ndarray, repeat: int) -> tuple[list[list[object]], dict[str
     gb_out = w.nbytes / 1e9
     out = np.empty_like(w)
     out.fill(0)  # touched once: no page faults inside the timed decodes
-    rows, blobs, decoded = [], {}, {}
+    rows, blobs, decoded, gguf_gbs = [], {}, {}, {}
     for name in DTYPES:
         enc_s = min(once(lambda: q.encode(w, name)) for _ in range(1 if name in ("q2tp", "q1t", "q1s") else 2))
         blob = q.encode(w, name)
@@ -213,11 +214,17 @@ def codec_rows(w: np.ndarray, repeat: int) -> tuple[list[list[object]], dict[str
                                        repeat, 2)[0]
         ref = GGUF_PAIRS.get(name)
         g = gguf_decode(w, ref, repeat) if ref else None
+        if g:
+            gguf_gbs[ref] = g
         vs = f"{ref} {g:.2f} GB/s → ×{fresh / g:.1f} / ×{pre / g:.1f}" if g and pre else ""
         rows.append([name, f"{len(blob) * 8 / w.size:.3f}", f"{rel_rms(dec, w) * 100:.2f}%",
                      f"{w.size / enc_s / 1e6:.1f}", "zero-copy view" if name == "f32" else f"{fresh:.2f}",
                      "" if pre is None else f"{pre:.2f}", vs])
         print(f"codec {name}: done", file=sys.stderr, flush=True)
+    def fresh_touch() -> None:  # what every fresh output costs before a decoder writes a byte
+        _touch_pages(np.empty(w.size, np.float32))  # on every thread, as the decoders fault
+    floor = clean_times("fresh array", fresh_touch, repeat, 2)[0]
+    FLOOR.update(seconds=floor, gguf=gguf_gbs)
     q4t = decoded["q4_tiled"]
     requant = q.decode(q.encode(q4t, "q4tp"), "q4tp", w.shape)
     extra = (f"q4tp vs q4t: requant of the q4t-decoded matrix moves weights by {rel_rms(requant, q4t) * 100:.2f}% "
@@ -288,6 +295,23 @@ def crossover(w: np.ndarray, blobs: dict[str, bytes]) -> list[list[object]]:
     return rows
 
 
+@numba.njit(parallel=True)
+def _touch_pages(a: np.ndarray) -> None:
+    """Write one float per 4 KB page, the pages split across the threads."""
+    for i in numba.prange(a.size // 1024):
+        a[i * 1024] = 0
+
+
+def floor_note(nbytes: int) -> str:
+    """How long a fresh output array costs on its own (page faults + the kernel zeroing pages)."""
+    sec = FLOOR.get("seconds")
+    if not sec:
+        return ""
+    return (f"Allocating a fresh {nbytes >> 20} MB array and touching each page from every thread alone takes "
+            f"{sec * 1e3:.1f} ms here ({nbytes / sec / 1e9:.1f} GB/s of output), as long as or longer than the "
+            "preallocated decodes: that, not the decoder, sets the fresh column.")
+
+
 def run(size: int, repeat: int) -> str:
     load0 = os.getloadavg()[0]
     w = source(size)
@@ -312,7 +336,8 @@ def run(size: int, repeat: int) -> str:
         f"Decoding into a fresh {w.nbytes >> 20} MB array costs a page fault per page and the kernel zeroing it "
         "first: about as much time as the decode itself, so the fresh-array column measures the allocator as much as the "
         "decoder. The preallocated column is the decoder alone (the same numba kernels writing into one array "
-        "touched beforehand); gguf-py always allocates, so its ratio is quoted against both.\n\n"
+        "touched beforehand); gguf-py always allocates, so its ratio is quoted against both. "
+        f"{floor_note(w.nbytes)}\n\n"
         f"### Fused kernels (`cmf.kernels`)\n\n{table(khead, krows)}\n\n{knote}\n\n"
         "Mat-vec GB/s counts the payload bytes read per product (x = one vector). At 4096² a q8/q4 payload "
         "(8–17 MB) fits this CPU's 32 MB L3 cache, so repeated products can run above the DRAM bound (~45 GB/s "

@@ -193,3 +193,27 @@ def test_vbit_every_width(tmp_path) -> None:
             op = prepare_fused(t)
             _close(op(X), X @ w.T)
             _close(op.rows([11, 0, 4], X[0]), X[0] @ w[[11, 0, 4]].T)
+
+
+def test_huge_zeros_is_zeroed_aligned_and_gives_pages_back() -> None:
+    import gc
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
+
+    small = _jit.huge_zeros((3, 5), np.uint16)
+    a = _jit.huge_zeros((48 << 20,), np.uint8)
+    assert small.shape == (3, 5) and small.dtype == np.uint16 and not small.any()
+    assert a.ctypes.data % 64 == 0 and not a[::4096].any()
+    before = rss_mb()
+    a[:] = 1
+    touched = rss_mb()
+    del a
+    gc.collect()
+    assert touched - before > 40 and touched - rss_mb() > 40  # the dead array's pages went back
+    assert not small.any()

@@ -14,8 +14,10 @@ products below ``PARALLEL_MIN_BYTES`` of payload call the serial body directly.
 
 from __future__ import annotations
 
+import mmap
 import platform
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -246,7 +248,21 @@ def parallel_for(nbytes: int) -> bool:
 _HUGE = 2 << 20  # a transparent huge page
 _CHUNK = 64 << 20  # address space reserved at a time; pages become resident only when written
 _arena_lock = threading.Lock()
-_arena: list = [None, 0, 0]  # [uint8 view of the current chunk, next free offset, chunk size]
+# the current reservation: [mmap, offset of its first huge page, next free offset, usable size]
+_arena: list = [None, 0, 0, 0]
+_PAGE = mmap.PAGESIZE if hasattr(mmap, "PAGESIZE") else 4096
+
+
+def _give_back(m, lo: int, hi: int) -> None:  # noqa: ANN001 - an mmap
+    """Return the whole pages inside [lo, hi) of a dead array to the kernel (the bump allocator
+    never reuses them, so without this a re-prepared matrix would leave its old copy resident)."""
+    lo = (lo + _PAGE - 1) // _PAGE * _PAGE
+    hi = hi // _PAGE * _PAGE
+    if hi > lo and not m.closed:
+        try:
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):  # pragma: no cover - best effort
+            pass
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
@@ -257,9 +273,8 @@ def huge_zeros(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
     decode the benchmark model ~15% faster (q4_tiled, int8 activations: 160 -> 185 t/s). Arrays
     are packed back to back (64-byte aligned) into 64 MB reservations, so small matrices do not
     each round up to a huge page; like ``np.zeros``, nothing is resident until written (then a
-    2 MB page at a time). Falls back to ``np.zeros`` where madvise is unavailable."""
-    import mmap
-
+    2 MB page at a time), and the pages of an array that dies are given back (``_give_back``).
+    Falls back to ``np.zeros`` where madvise is unavailable."""
     n = 1
     for d in shape:
         n *= int(d)
@@ -267,20 +282,21 @@ def huge_zeros(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
     if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.zeros(shape, dtype)
     with _arena_lock:
-        buf, off, size = _arena
+        m, start, off, size = _arena
         off = (off + 63) // 64 * 64
-        if buf is None or off + nbytes > size:
+        if m is None or off + nbytes > size:
             size = max(_CHUNK, (nbytes + _HUGE - 1) // _HUGE * _HUGE)
             try:
                 m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                raw = np.frombuffer(m, np.uint8)
-                start = (-raw.ctypes.data) % _HUGE
+                start = (-np.frombuffer(m, np.uint8, count=1).ctypes.data) % _HUGE
                 m.madvise(mmap.MADV_HUGEPAGE, start, size)
             except (OSError, ValueError):  # pragma: no cover - no THP support
                 return np.zeros(shape, dtype)
-            buf, off = raw[start:start + size], 0
-        _arena[0], _arena[1], _arena[2] = buf, off + nbytes, size
-        return buf[off:off + nbytes].view(dtype).reshape(shape)
+            off = 0
+        _arena[:] = [m, start, off + nbytes, size]
+    arr = np.frombuffer(m, np.uint8, count=nbytes, offset=start + off).view(dtype).reshape(shape)
+    weakref.finalize(arr, _give_back, m, start + off, start + off + nbytes)
+    return arr
 
 
 _local = threading.local()
