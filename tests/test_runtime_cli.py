@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,14 @@ def test_bench_compare_runs_peers_in_fresh_processes(model_path, capsys):
         assert "llama.cpp" in engines
     except ImportError:
         assert "llama_cpp" in res["skipped"]["llama.cpp"]
+
+
+def test_bench_compare_int8_engine_only_for_4bit(model_path, tmp_path):
+    from cmf.tools.bench_compare import prepare_peers
+
+    peers = prepare_peers(Path(model_path), ["pycmf-int8"], tmp_path)
+    assert "4-bit files only" in peers["pycmf-int8"]  # a q8 file: skipped, with the reason
+    q4 = tmp_path / "q4tp.cmf"
+    convert(H.fixture("qwen3"), q4, quant="q4tp")
+    peers = prepare_peers(q4, ["pycmf-int8"], tmp_path)
+    assert peers["pycmf-int8"] == (str(q4), "q4tp, int8 activations")
