@@ -143,3 +143,28 @@ def test_model_decode_with_int8_activations(tmp_path, capsys) -> None:
     assert float(np.abs(fast - exact).max()) <= 5e-2 * float(np.abs(exact).max())
     assert main(["run", str(path), "-p", "hello", "-n", "4", "--int8-act", "--raw"]) == 0
     assert "finish" in capsys.readouterr().err
+
+
+def test_portable_dot_without_vnni_gives_the_same_sums(model, tmp_path) -> None:
+    """The widening-multiply form (CPUs without AVX-512 VNNI), compiled in a fresh process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    t = model.tensor("q4tp")
+    x = _inputs()[1]
+    want = prepare(t, int8_activations=True)(x)
+    code = (
+        "import json, sys, numpy as np\n"
+        "from cmf.format.reader import open as o\n"
+        "from cmf.kernels import _ir, prepare\n"
+        "assert not _ir.HW_VNNI\n"
+        "f = o(sys.argv[1]); x = np.array(json.loads(sys.argv[2]), np.float32)\n"
+        "print(json.dumps(prepare(f.tensor('q4tp'), int8_activations=True)(x).tolist()))\n")
+    env = dict(os.environ, CMF_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(x.tolist())], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = np.array(json.loads(out.stdout), np.float32)
+    _close(got, want.astype(np.float64), 1e-6)

@@ -17,6 +17,8 @@ Accumulators live in allocas that LLVM promotes to registers; reads stay inside 
 
 from __future__ import annotations
 
+import os
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -204,7 +206,8 @@ def _host_has(*features: str) -> bool:
 
 # vpdpbusd (u8 × s8, four products summed into each i32 lane) where the CPU has it; elsewhere the
 # same integer sums through widening multiplies, so both give identical results.
-HW_VNNI = _host_has("avx512vnni", "avx512bw")
+# CMF_NO_VNNI=1 forces the portable form (tests check it against the same oracle).
+HW_VNNI = _host_has("avx512vnni", "avx512bw") and not os.environ.get("CMF_NO_VNNI")
 
 
 def _dot4_u8s8(builder, acc, a, b):  # noqa: ANN001, ANN202
