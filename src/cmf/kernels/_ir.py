@@ -256,10 +256,13 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
             msk = ir.Constant(v16, [field] * 16)
             acc = [ir.Constant(v16, [0] * 16)] * 4
             for w in range(width // 4):
-                B = [_vec_load(builder, cgutils.gep(builder, pp, builder.add(args[1], ir.Constant(_I64, 64 * (4 * w + k)))),
-                               b64) for k in range(4)]
-                p01 = [builder.shuffle_vector(B[0], B[1], ir.Constant(ir.VectorType(_I32, 64), m)) for m in (pair_a, pair_b)]
-                p23 = [builder.shuffle_vector(B[2], B[3], ir.Constant(ir.VectorType(_I32, 64), m)) for m in (pair_a, pair_b)]
+                B = []
+                for k in range(4):
+                    at = builder.add(args[1], ir.Constant(_I64, 64 * (4 * w + k)))
+                    B.append(_vec_load(builder, cgutils.gep(builder, pp, at), b64))
+                pairs = [ir.Constant(ir.VectorType(_I32, 64), m) for m in (pair_a, pair_b)]
+                p01 = [builder.shuffle_vector(B[0], B[1], m) for m in pairs]
+                p23 = [builder.shuffle_vector(B[2], B[3], m) for m in pairs]
                 xs = []
                 for p in range(phases):
                     off = builder.add(args[3], ir.Constant(_I64, w * phases + p))

@@ -24,8 +24,9 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
                         "best-routed skills, w ~ exp(-E/0.4)")
     p.add_argument("--task", default=None, help="task mask to activate (name)")
     p.add_argument("--int8-act", action="store_true", default=None,
-                   help="4-bit files: int8 activations in decode (products ~2× faster with VNNI, decode ~1.4×; ~1e-2 relative error "
-                        "per product, as llama.cpp's Q4_0; default off, or CMF_INT8_ACT=1)")
+                   help="4-bit files: int8 activations in decode (products ~2× faster with VNNI, decode "
+                        "~1.4×; ~1e-2 relative error per product, as llama.cpp's Q4_0; default off, or "
+                        "CMF_INT8_ACT=1)")
     if sampling:
         p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")
         p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
