@@ -9,8 +9,9 @@ import time
 from typing import Callable
 
 
-def median_time(fn: Callable[[], object], repeat: int = 15, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+def times(fn: Callable[[], object], repeat: int = 15, warmup: int = 2) -> tuple[float, float]:
+    """(median, best) wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs:
+    on a shared machine the best run is the one that was not preempted, the median what a caller sees."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -18,7 +19,28 @@ def median_time(fn: Callable[[], object], repeat: int = 15, warmup: int = 2) -> 
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
+
+
+def median_time(fn: Callable[[], object], repeat: int = 15, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    return times(fn, repeat, warmup)[0]
+
+
+def idle_fraction(seconds: float = 1.0) -> float:
+    """Share of CPU time spent idle (idle + iowait) over the next ``seconds``, all cores
+    (/proc/stat); 1.0 where that cannot be read."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            vals = [int(v) for v in fh.readline().split()[1:]]
+        return sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)
+    try:
+        t1, i1 = sample()
+        time.sleep(seconds)
+        t2, i2 = sample()
+    except OSError:
+        return 1.0
+    return (i2 - i1) / max(t2 - t1, 1)
 
 
 def machine() -> str:

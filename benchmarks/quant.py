@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, table  # noqa: E402
+from _common import idle_fraction, machine, table, times  # noqa: E402
 
 import cmf.quant as q  # noqa: E402
 from cmf.kernels import set_threads  # noqa: E402
@@ -110,39 +110,11 @@ def decode_into(name: str, blob: bytes, shape: tuple[int, int], out: np.ndarray)
     return True
 
 
-def times(fn, repeat: int, warmup: int = 3) -> tuple[float, float]:
-    """(median, best) wall time of ``fn()``: on a shared machine the best run is the one that was
-    not preempted, the median what a caller sees."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples)), float(min(samples))
-
-
-def idle_fraction(seconds: float = 2.0) -> float:
-    """Share of CPU time spent idle over the next ``seconds`` (all cores, /proc/stat)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as fh:
-            vals = [int(v) for v in fh.readline().split()[1:]]
-        return sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)
-    try:
-        t1, i1 = sample()
-        time.sleep(seconds)
-        t2, i2 = sample()
-    except OSError:
-        return 1.0
-    return (i2 - i1) / max(t2 - t1, 1)
-
-
 def wait_idle(limit: float) -> bool:
     """Wait (up to ``limit`` seconds) until the machine is at least 90% idle; whether it was."""
     end = time.monotonic() + limit
     while time.monotonic() < end:
-        if idle_fraction() >= 0.9:
+        if idle_fraction(2.0) >= 0.9:
             return True
     return False
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, table  # noqa: E402
+from _common import idle_fraction, machine, table  # noqa: E402
 from convert import MODELS, QUICK, write_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -86,26 +86,11 @@ print(json.dumps(out))
 IDLE = {"max_wait": 120.0, "waited": 0.0, "gave_up": 0}
 
 
-def _cpu_busy(interval: float = 1.0) -> float:
-    """Fraction of all cores busy over ``interval`` seconds (/proc/stat); 0 where unavailable."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as fh:
-            v = [int(x) for x in fh.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-    try:
-        t0, i0 = sample()
-        time.sleep(interval)
-        t1, i1 = sample()
-    except OSError:
-        return 0.0
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
-
-
 def wait_idle() -> None:
     """Wait (up to IDLE["max_wait"] s) until other processes use under ~a third of one core:
     the machine is shared, and a 2-thread region that loses a core stalls for milliseconds."""
     t0 = time.time()
-    while _cpu_busy() > 0.15 / max(1, (os.cpu_count() or 1) / 2):
+    while 1.0 - idle_fraction(1.0) > 0.15 / max(1, (os.cpu_count() or 1) / 2):
         if time.time() - t0 > IDLE["max_wait"]:
             IDLE["gave_up"] += 1
             break

@@ -24,6 +24,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._jit import host_has
+
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 _VF = ir.VectorType(_F32, 16)
@@ -194,20 +196,10 @@ def q1t_dot(typingctx, data, base, gpr, x, pos, neg):  # noqa: ANN001
     return sig, codegen
 
 
-def _host_has(*features: str) -> bool:
-    try:
-        from llvmlite import binding
-
-        have = set(binding.get_host_cpu_features().flatten().split(","))
-    except Exception:  # pragma: no cover - exotic llvmlite builds
-        return False
-    return all(f"+{f}" in have for f in features)
-
-
 # vpdpbusd (u8 × s8, four products summed into each i32 lane) where the CPU has it; elsewhere the
 # same integer sums through widening multiplies, so both give identical results.
 # CMF_NO_VNNI=1 forces the portable form (tests check it against the same oracle).
-HW_VNNI = _host_has("avx512vnni", "avx512bw") and not os.environ.get("CMF_NO_VNNI")
+HW_VNNI = host_has("avx512vnni", "avx512bw") and not os.environ.get("CMF_NO_VNNI")
 
 
 def _dot4_u8s8(builder, acc, a, b):  # noqa: ANN001, ANN202

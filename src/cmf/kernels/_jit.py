@@ -41,19 +41,18 @@ PARALLEL_ORDERED = dict(SERIAL_ORDERED, parallel=True)
 PARALLEL_MIN_BYTES = 1 << 18
 
 
-def _host_has_f16() -> bool:
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return True
+def host_has(*features: str) -> bool:
+    """Whether the CPU numba compiles for has every LLVM feature named (``"f16c"``, ``"avx512vnni"``)."""
     try:
         from llvmlite import binding
 
-        return "+f16c" in binding.get_host_cpu_features().flatten().split(",")
+        have = set(binding.get_host_cpu_features().flatten().split(","))
     except Exception:  # pragma: no cover - exotic llvmlite builds
         return False
+    return all(f"+{f}" in have for f in features)
 
 
-HW_F16 = _host_has_f16()
+HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or host_has("f16c")
 
 
 @intrinsic
@@ -155,7 +154,7 @@ def plane_scales(typingctx, planes, base, t0, powers, s, dead31):  # noqa: ANN00
     gather. With ``dead31`` nonzero, rows whose code is 31 (all bits set) get an exact 0.
     """
     def codegen(context, builder, signature, args):
-        i1, i16, i32, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        i1, i16, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(64), ir.FloatType()
         pl = context.make_array(signature.args[0])(context, builder, args[0]).data
         t0p = context.make_array(signature.args[2])(context, builder, args[2]).data
         pw = context.make_array(signature.args[3])(context, builder, args[3]).data
@@ -188,6 +187,14 @@ def plane_scales(typingctx, planes, base, t0, powers, s, dead31):  # noqa: ANN00
 
 # ---------------------------------------------------------------------------------------------
 # threading and scratch
+
+
+@numba.njit(inline="always")
+def chunk(n, nt, j, align):  # pragma: no cover - compiled
+    """Thread j's contiguous share [r0, r1) of n items split nt ways, in multiples of ``align``."""
+    step = ((n + nt - 1) // nt + align - 1) // align * align
+    r0 = min(n, j * step)
+    return r0, min(n, r0 + step)
 
 
 def threads() -> int:

@@ -27,6 +27,7 @@ from ..quant import _fast
 from ..quant.q1 import TERNARY_LUT
 
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL_ORDERED, scratch, threads
+from ._jit import chunk as _chunk
 from .blas import NO_TRANS, SGEMM, TRANS, sgemm, single_threaded
 from .floats import F32Linear, HalfLinear, half_dequant
 from .q4 import R as TILE_R
@@ -39,13 +40,6 @@ from .vbit import VbitLinear
 # when sgemm packs it). Measured on the benchmark model: 256 KB 162-173, 512 KB 173-180, 1 MB
 # 178-180, 4 MB 177-181 GFLOP/s (numpy's own sgemm on the f32 matrix: 186).
 STEP_BYTES = 1 << 20
-
-
-@numba.njit(inline="always")
-def _chunk(n, nt, j, align):  # pragma: no cover - compiled
-    step = ((n + nt - 1) // nt + align - 1) // align * align
-    r0 = min(n, j * step)
-    return r0, min(n, r0 + step)
 
 
 @numba.njit(**PARALLEL)

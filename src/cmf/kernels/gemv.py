@@ -22,22 +22,16 @@ from numba.extending import overload
 
 from . import _jit
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bf16_to_f32, f16_to_f32, int8_f32, threads
+from ._jit import chunk as _chunk
 from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
-from .q4 import TiledLinear, _tail_rows, quantize_x, split_x, tiles_run
+from .q4 import TiledLinear, _tail_rows, fill_x, tiles_run
 from .q8 import Q8Linear, _fold
 from .vmath import gated
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu": 2,
         "relu": 3}
 NO_ACT = -1
-
-
-@numba.njit(inline="always")
-def _chunk(n, nt, j, align):  # pragma: no cover - compiled
-    step = ((n + nt - 1) // nt + align - 1) // align * align
-    r0 = min(n, j * step)
-    return r0, min(n, r0 + step)
 
 
 @numba.njit(**SERIAL)
@@ -177,20 +171,11 @@ def _any_tail(tails):  # pragma: no cover - compiled
     return False
 
 
-@numba.njit(**SERIAL)
-def _tiled_x(X, xp, xs, q8, xd, zero):  # pragma: no cover - compiled
-    """The shared input: regrouped x, or int8 activations when ``q8`` is not empty."""
-    if q8.shape[0]:
-        quantize_x(X, q8, xd, xs, zero)
-    else:
-        split_x(X, xp, xs, zero)
-
-
 @numba.njit(**PARALLEL_ORDERED)
 def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp, xs,
                 q8, xv, xd, zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
     """The 4-bit family: every matrix shares one regrouped (or int8) x (same code width)."""
-    _tiled_x(X, xp, xs, q8, xd, zero)
+    fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
     for j in prange(nt):
         _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y,
@@ -203,7 +188,7 @@ def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss,
 def tiled_group_serial(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp,
                        xs, q8, xv, xd, zero, Y, offs, act, width):  # pragma: no cover - compiled
     """:func:`tiled_group` on the calling thread."""
-    _tiled_x(X, xp, xs, q8, xd, zero)
+    fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
     _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
                  1, 0, act, width, has_tail)
@@ -254,7 +239,7 @@ class MatvecGroup:
             self._xs = np.empty((1, gpr), np.float32)
             # int8 activations only when every matrix of the group runs them
             i8 = all(o.int8 for o in self.ops)
-            self._q8 = np.empty((1 if i8 else 0, gpr, 32 // (4 * o0.phases), o0.phases, 4), np.int8)
+            self._q8 = np.empty(o0.x8_shape(1 if i8 else 0), np.int8)
             self._xv = self._q8.reshape(self._q8.shape[0], gpr * 32).view(np.int32)
             self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)

@@ -248,17 +248,22 @@ def _x_parts(X, kind, i8):  # pragma: no cover - compiled
     T, n = X.shape
     gpr = n // GROUP
     phases = 4 if kind == KIND_Q2TP else 2
-    zero = np.float32(1.5) if kind == KIND_Q2TP else np.float32(8)
     xs = np.empty((T, gpr), np.float32)
-    if i8:
-        xp = np.empty((T, phases, 0, 0), np.float32)
-        q8 = np.empty((T, gpr, GROUP // (4 * phases), phases, 4), np.int8)
-        xd = np.empty((T, gpr), np.float32)
+    xd = np.empty((T if i8 else 0, gpr), np.float32)
+    q8 = np.empty((T if i8 else 0, gpr, GROUP // (4 * phases), phases, 4), np.int8)
+    xp = np.empty((0 if i8 else T, phases, gpr, GROUP // phases), np.float32)
+    fill_x(X, xp, xs, q8, xd, np.float32(1.5) if kind == KIND_Q2TP else np.float32(8))
+    return xp, xs, q8.reshape(q8.shape[0], gpr * GROUP).view(np.int32), xd
+
+
+@numba.njit(**SERIAL)
+def fill_x(X, xp, xs, q8, xd, zero):  # pragma: no cover - compiled
+    """A product's shared input: int8 activations when ``q8`` has rows (``quantize_x``), else x
+    regrouped by byte position (``split_x``)."""
+    if q8.shape[0]:
         quantize_x(X, q8, xd, xs, zero)
-        return xp, xs, q8.reshape(T, gpr * GROUP).view(np.int32), xd
-    xp = np.empty((T, phases, gpr, GROUP // phases), np.float32)
-    split_x(X, xp, xs, zero)
-    return xp, xs, np.empty((0, 0), np.int32), np.empty((0, 0), np.float32)
+    else:
+        split_x(X, xp, xs, zero)
 
 
 @numba.njit(**SERIAL)
@@ -431,11 +436,6 @@ def tiles_dequant_t_par(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, sr
                             out[:, (a - t0) * R:(b - t0) * R])
 
 
-_NO_XP = np.zeros((0, 2, 0, 0), np.float32)
-_NO_XV = np.zeros((0, 0), np.int32)
-_NO_XD = np.zeros((0, 0), np.float32)
-
-
 def _readonly(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.setflags(write=False)
@@ -513,15 +513,17 @@ class TiledLinear(FusedLinear):
     def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         T = X.shape[0]
         gpr = self.in_features // GROUP
+        i8, n = (T, 0) if self.int8 else (0, T)
         xs = scratch("q4-xs", (T, gpr))
-        if self.int8:
-            q8 = scratch("q4-xq", (T, gpr, GROUP // (4 * self.phases), self.phases, 4), np.int8)
-            xd = scratch("q4-xd", (T, gpr))
-            quantize_x(X, q8, xd, xs, self.zero)
-            return _NO_XP, xs, q8.reshape(T, gpr * GROUP).view(np.int32), xd
-        xp = scratch("q4-xp", (T, self.phases, gpr, self.width))
-        split_x(X, xp, xs, self.zero)
-        return xp, xs, _NO_XV, _NO_XD
+        xp = scratch("q4-xp", (n, self.phases, gpr, self.width))
+        q8 = scratch("q4-xq", self.x8_shape(i8), np.int8)
+        xd = scratch("q4-xd", (i8, gpr))
+        fill_x(X, xp, xs, q8, xd, self.zero)
+        return xp, xs, q8.reshape(i8, gpr * GROUP).view(np.int32), xd
+
+    def x8_shape(self, T: int) -> tuple[int, ...]:
+        """Shape of T vectors of int8 activations as ``quantize_x`` lays them out."""
+        return (T, self.in_features // GROUP, GROUP // (4 * self.phases), self.phases, 4)
 
     def _decode(self, rows: np.ndarray, out: np.ndarray) -> None:
         decode_rows(rows, self.kind, self.src, self.scs, self.cs, self.params, self.exp2tab, out)

@@ -115,6 +115,17 @@ def read_text(path: str | os.PathLike) -> tuple[str, str]:
         raise CmfError(f"{path}: not UTF-8 text ({exc})") from None
 
 
+def measure_quality(model, mask: TaskMask, heldout: str | os.PathLike | None, window: int = 512,
+                    chunks: int | None = None) -> None:
+    """Set ``mask.quality`` from the held-out text file ``heldout``, or warn that the mask is
+    written unmeasured (quality null) when there is none."""
+    if heldout is None:
+        log.warning("no --heldout text: mask %r is written with quality null (unmeasured)", mask.name)
+        return
+    text, sha = read_text(heldout)
+    mask.quality = heldout_quality(model, mask, text, sha, window, chunks)
+
+
 def heldout_quality(model, mask: TaskMask, text: str, sha256: str, window: int = 512,
                     chunks: int | None = None) -> dict[str, Any]:
     """The held-out contract of ``mask`` (spec §5.1): perplexity with the mask over perplexity

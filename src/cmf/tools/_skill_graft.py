@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..format.errors import CmfError, WriterError
+from ..format.errors import CmfError
 from ..format.growth import append
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open

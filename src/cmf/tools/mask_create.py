@@ -27,7 +27,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,7 +85,7 @@ class Scores:
 def calibrate(model, ids: list[int], window: int = 512, heads: bool = False) -> Scores:
     """Run ``model`` unmasked over ``ids`` (windows of ``window`` tokens, fresh cache each) and
     return the activation statistics of :class:`Scores`."""
-    from ..runtime.blocks import Attention, DenseFfn, LatentAttention, MoeFfn
+    from ..runtime.blocks import Attention, DenseFfn, LatentAttention
 
     if not ids:
         raise CmfError("the calibration text encodes to no tokens")
@@ -202,7 +201,7 @@ def create_mask(model_path: str | os.PathLike, name: str, calib: str | os.PathLi
                 replace: bool = False, description: str | None = None) -> dict[str, Any]:
     """Calibrate, select, measure and write one task mask; returns a report (see module docstring)."""
     from ..runtime.model import load
-    from ._maskio import heldout_quality, read_text, with_mask, write_masks
+    from ._maskio import measure_quality, read_text, with_mask, write_masks
     from .masks import _layers_touched
     from .perplexity import encode_text
 
@@ -219,11 +218,7 @@ def create_mask(model_path: str | os.PathLike, name: str, calib: str | os.PathLi
         scores = calibrate(model, ids, window, heads)
         mask = build_mask(model, scores, name, keep, per_layer=per_layer, heads=heads, head_keep=head_keep,
                           description=description)
-        if heldout is not None:
-            text, sha = read_text(heldout)
-            mask.quality = heldout_quality(model, mask, text, sha, window, chunks)
-        else:
-            log.warning("no --heldout text: mask %r is written with quality null (unmeasured)", name)
+        measure_quality(model, mask, heldout, window, chunks)
         masks = with_mask(model.file.masks, mask, replace=replace)
         n_layers = model.arch.num_layers
     finally:

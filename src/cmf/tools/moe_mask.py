@@ -75,7 +75,7 @@ def moe_mask(model_path: str | os.PathLike, name: str, *, stats: str | os.PathLi
              replace: bool = False, description: str | None = None) -> dict[str, Any]:
     """Build, optionally measure, and write the expert mask; returns a report."""
     from ..runtime.model import load
-    from ._maskio import heldout_quality, read_stats, read_text, with_mask, write_masks
+    from ._maskio import measure_quality, read_stats, with_mask, write_masks
 
     if in_place == (out is not None):
         raise CmfError("give exactly one of an output path (-o) and --in-place")
@@ -86,11 +86,7 @@ def moe_mask(model_path: str | os.PathLike, name: str, *, stats: str | os.PathLi
         counts = read_stats(stats, model.file.header.to_dict().get("provenance"))
         keep = cover_sets(model, counts, cover)
         mask = expert_mask(model, name, keep, description or f"cmf moe-mask: cover {cover:g}")
-        if heldout is not None:
-            text, sha = read_text(heldout)
-            mask.quality = heldout_quality(model, mask, text, sha, window, chunks)
-        else:
-            log.warning("no --heldout text: mask %r is written with quality null (unmeasured)", name)
+        measure_quality(model, mask, heldout, window, chunks)
         masks = with_mask(model.file.masks, mask, replace=replace)
     finally:
         model.close()

@@ -191,7 +191,6 @@ def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress) -> 
             if f.header.shard is not None and f.header.shard.count > 1:
                 raise ShardError(f"{path}: --in-place works on a single file, not a shard of a set; use -o")
             env = f.envelope
-            data_off = env.section("data").off
             dir_sec = env.section("dir")
             directory = bytearray(f.section_bytes("dir"))
             policy = _policy(quant, f.keys(), mean_bits)

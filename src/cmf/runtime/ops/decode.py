@@ -43,20 +43,6 @@ def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
 
 
 @numba.njit(**_EXACT)
-def _norm_heads(h, w, eps):  # pragma: no cover - compiled
-    """Per-head RMSNorm in place: h [heads, d], w [d]."""
-    heads, d = h.shape
-    for j in range(heads):
-        acc = 0.0
-        for i in range(d):
-            v = np.float64(h[j, i])
-            acc += v * v
-        inv = np.float32(1.0 / math.sqrt(acc / d + eps))
-        for i in range(d):
-            h[j, i] = (h[j, i] * inv) * w[i]
-
-
-@numba.njit(**_EXACT)
 def _rope(h, cos, sin):  # pragma: no cover - compiled
     """Half-split rotation of the first cos.shape[0] dims of each head, in place."""
     rot = cos.shape[0]
@@ -73,9 +59,9 @@ def _rope(h, cos, sin):  # pragma: no cover - compiled
 def qk_norm_rope(q, k, qn, kn, eps, cos, sin):  # pragma: no cover - compiled
     """The per-head q/k RMSNorm (when qn/kn are non-empty) and RoPE of one token, in place."""
     if qn.shape[0]:
-        _norm_heads(q, qn, eps)
+        rms_norm_into(q, qn, eps, q)  # per head, in place (each row is read before it is written)
     if kn.shape[0]:
-        _norm_heads(k, kn, eps)
+        rms_norm_into(k, kn, eps, k)
     if cos.shape[0]:
         _rope(q, cos, sin)
         _rope(k, cos, sin)
