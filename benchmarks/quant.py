@@ -7,10 +7,12 @@ encoded to every dtype. Reported per dtype, medians of ``--repeat`` runs after w
 also load the numba cache):
 
 - bits per weight, relative RMS error, encode throughput;
-- decode GB/s of f32 output, twice: ``cmf.quant.decode`` (a fresh array per call, as gguf-py
-  does) and the same numba decoder writing into one preallocated, already-touched array; next to
+- decode GB/s of f32 output, three ways: ``cmf.quant.decode`` called in a loop that drops each
+  result (as gguf-py is timed: the dead output's pages are recycled, ``cmf.quant._outputs``), the
+  same call with recycling off (``CMF_DECODE_CACHE_MB=0``: fresh pages from the kernel every
+  call), and the numba decoder writing into one preallocated, already-touched array; next to
   gguf-py's numpy ``dequantize`` of the analogous GGUF type (q8_row ↔ Q8_0, q4_block ↔ Q4_0,
-  bf16 ↔ BF16) timed on the same matrix;
+  bf16 ↔ BF16) timed in the same loop on the same matrix;
 - fused mat-vec (``cmf.kernels``) in GB/s of payload bytes with 1 and 2 threads, next to numpy's
   f32 ``dot`` on the decoded matrix (GB/s of its f32 bytes, same thread counts);
 - the batched path (T = 64, prefill) in GFLOP/s, next to numpy's f32 sgemm;
@@ -178,7 +180,12 @@ def codec_rows(w: np.ndarray, repeat: int) -> tuple[list[list[object]], dict[str
         blobs[name] = blob
         dec = q.decode(blob, name, w.shape)
         decoded[name] = dec
-        fresh = gb_out / clean_times(f"{name} decode", lambda: q.decode(blob, name, w.shape), repeat, 2)[0]
+        loop = gb_out / clean_times(f"{name} decode", lambda: q.decode(blob, name, w.shape), repeat, 2)[0]
+        os.environ["CMF_DECODE_CACHE_MB"] = "0"
+        try:
+            fresh = gb_out / clean_times(f"{name} decode fresh", lambda: q.decode(blob, name, w.shape), repeat, 2)[0]
+        finally:
+            del os.environ["CMF_DECODE_CACHE_MB"]
         pre = None
         if name != "f32" and decode_into(name, blob, w.shape, out):
             assert np.array_equal(out, dec)
@@ -188,10 +195,10 @@ def codec_rows(w: np.ndarray, repeat: int) -> tuple[list[list[object]], dict[str
         g = gguf_decode(w, ref, repeat) if ref else None
         if g:
             gguf_gbs[ref] = g
-        vs = f"{ref} {g:.2f} GB/s → ×{fresh / g:.1f} / ×{pre / g:.1f}" if g and pre else ""
+        vs = f"{ref} {g:.2f} GB/s → ×{loop / g:.1f} / ×{fresh / g:.1f}" if g else ""
         rows.append([name, f"{len(blob) * 8 / w.size:.3f}", f"{rel_rms(dec, w) * 100:.2f}%",
-                     f"{w.size / enc_s / 1e6:.1f}", "zero-copy view" if name == "f32" else f"{fresh:.2f}",
-                     "" if pre is None else f"{pre:.2f}", vs])
+                     f"{w.size / enc_s / 1e6:.1f}", "zero-copy view" if name == "f32" else f"{loop:.2f}",
+                     "" if name == "f32" else f"{fresh:.2f}", "" if pre is None else f"{pre:.2f}", vs])
         print(f"codec {name}: done", file=sys.stderr, flush=True)
     def fresh_touch() -> None:  # what every fresh output costs before a decoder writes a byte
         _touch_pages(np.empty(w.size, np.float32))  # on every thread, as the decoders fault
@@ -281,7 +288,7 @@ def floor_note(nbytes: int) -> str:
         return ""
     return (f"Allocating a fresh {nbytes >> 20} MB array and touching each page from every thread alone takes "
             f"{sec * 1e3:.1f} ms here ({nbytes / sec / 1e9:.1f} GB/s of output), as long as or longer than the "
-            "preallocated decodes: that, not the decoder, sets the fresh column.")
+            "preallocated decodes: that, not the decoder, sets the fresh-pages column.")
 
 
 def run(size: int, repeat: int) -> str:
@@ -295,8 +302,9 @@ def run(size: int, repeat: int) -> str:
              f"and was repeated when another process used over 10% of a core meanwhile; still disturbed after "
              f"four tries: {', '.join(DISTURBED) or 'none'}." if QUIET else "")
     stamp = datetime.date.today().isoformat()
-    chead = ["dtype", "bits/weight", "rel RMS err", "encode Mweights/s", "decode GB/s (fresh array)",
-             "decode GB/s (preallocated)", "gguf-py numpy dequant → ratio fresh / preallocated"]
+    chead = ["dtype", "bits/weight", "rel RMS err", "encode Mweights/s", "decode GB/s (in a loop)",
+             "decode GB/s (fresh pages)", "decode GB/s (preallocated)",
+             "gguf-py numpy dequant (in a loop) → ratio in a loop / fresh pages"]
     khead = ["dtype", "payload MB", "fused mat-vec GB/s 1 thread, median (best)", "2 threads", "median vs target",
              "G weights/s (2 threads)", "batched T=64 GFLOP/s, 2 threads, median (best)"]
     xhead = ["dtype", "fused_max_t", "T=1 fused / batched ms (best)", "T=8", "T=16", "T=32"]
@@ -306,9 +314,12 @@ def run(size: int, repeat: int) -> str:
         f"the same run).{quiet}\n\n"
         f"### Codecs\n\n{table(chead, crows)}\n\n{extra}\n\n"
         f"Decoding into a fresh {w.nbytes >> 20} MB array costs a page fault per page and the kernel zeroing it "
-        "first: about as much time as the decode itself, so the fresh-array column measures the allocator as much as the "
-        "decoder. The preallocated column is the decoder alone (the same numba kernels writing into one array "
-        "touched beforehand); gguf-py always allocates, so its ratio is quoted against both. "
+        "first: about as much time as the decode itself. `cmf.quant.decode` therefore recycles the pages of its "
+        "dead outputs (`cmf.quant._outputs`: at least 4 MB, up to 4 blocks / 256 MB waiting, reused only once "
+        "no array or view reaches them): the *in a loop* column is a loop that decodes and drops the result, "
+        "timed exactly as gguf-py is (whose numpy output gets fresh pages every call). *Fresh pages* is the same "
+        "call with recycling off (`CMF_DECODE_CACHE_MB=0`), what a first call costs; *preallocated* is the "
+        "decoder alone, writing into one array touched beforehand. "
         f"{floor_note(w.nbytes)}\n\n"
         f"### Fused kernels (`cmf.kernels`)\n\n{table(khead, krows)}\n\n{knote}\n\n"
         "Mat-vec GB/s counts the payload bytes read per product (x = one vector). At 4096² a q8/q4 payload "

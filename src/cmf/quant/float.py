@@ -15,7 +15,7 @@ import platform
 import numpy as np
 
 from ..format.constants import Dtype
-from . import _fast
+from . import _fast, _outputs
 from .base import Codec, as_bytes_array, check_shape, row_block
 
 F16_TINY = np.float32(6.1035156e-5)  # smallest normal f16 (2^-14): floor of every stored scale
@@ -180,7 +180,7 @@ class F16Codec(F32Codec):
         return f32_to_f16_bits(np.asarray(array, dtype=np.float32)).astype("<u2").tobytes()
 
     def _decode_flat(self, data: np.ndarray) -> np.ndarray:
-        out = np.empty(data.size // 2, np.float32)
+        out = _outputs.empty(data.size // 2, np.float32)
         _fast.f16_decode(data, _fast.F16_TABLE, out)
         return out
 
@@ -195,6 +195,6 @@ class BF16Codec(F32Codec):
         return f32_to_bf16_bits(np.asarray(array, dtype=np.float32)).astype("<u2").tobytes()
 
     def _decode_flat(self, data: np.ndarray) -> np.ndarray:
-        out = np.empty(data.size // 2, np.uint32)
+        out = _outputs.empty(data.size // 2, np.uint32)
         _fast.bf16_decode(data, out)
         return out.view(np.float32)

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ..format.constants import GROUP, Dtype
-from . import _fast
+from . import _fast, _outputs
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, require_2d, row_block, row_chunks, seq_sum
 from .float import exp2_f16, f16_bits_to_f32, f16_scale_bits, f32_to_f16_bits, log2_f16
 from .q4 import NIBBLE_LUT, pack_nibbles
@@ -283,7 +283,7 @@ class _LadderCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         planes, params, codes = self.split(buf, shape)
-        out = np.empty((planes.shape[0], planes.shape[1] * GROUP), np.float32)
+        out = _outputs.empty((planes.shape[0], planes.shape[1] * GROUP), np.float32)
         _fast.ladder_decode(planes, codes, self.ladder(params), self._table, out)
         return out
 

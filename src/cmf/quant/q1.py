@@ -20,7 +20,7 @@ import numpy as np
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
-from . import _fast
+from . import _fast, _outputs
 from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, expand_ranges, require_2d, round_half_away,
                    row_block, row_chunks, seq_sum)
 from .float import f16_scale, f32_to_f16_bits
@@ -99,7 +99,7 @@ def _decode_q1(tiles: np.ndarray) -> np.ndarray:
 
 
 def _decode_q1_fast(tiles: np.ndarray) -> np.ndarray:
-    out = np.empty((tiles.shape[0], GROUP), np.float32)
+    out = _outputs.empty((tiles.shape[0], GROUP), np.float32)
     _fast.q1_decode(tiles.view(np.uint8).reshape(-1, 6), _fast.F16_TABLE, out)
     return out
 
@@ -289,7 +289,7 @@ class Q1tCodec(Codec):
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
         tiles, row_ptr, entries = self._parts(buf, shape)
-        out = np.empty((tiles.shape[0], GROUP), np.float32)
+        out = _outputs.empty((tiles.shape[0], GROUP), np.float32)
         _fast.q1t_decode(tiles.view(np.uint8).reshape(-1, 9), _fast.F16_TABLE, TERNARY_LUT, out)
         out = out.reshape(shape)
         er = np.repeat(np.arange(shape[0]), np.diff(row_ptr))

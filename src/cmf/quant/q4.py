@@ -13,7 +13,7 @@ import numpy as np
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel
-from . import _fast
+from . import _fast, _outputs
 from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, expand_ranges, f16_at, require_2d,
                    row_block)
 from .float import f16_scale, f32_to_f16_bits
@@ -89,7 +89,7 @@ class Q4BlockCodec(Codec):
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
         packed, scales = self._parts(buf, shape)
-        out = np.empty((packed.shape[0], GROUP), np.float32)
+        out = _outputs.empty((packed.shape[0], GROUP), np.float32)
         _fast.q4_groups_decode(packed, scales, out)
         return out.reshape(-1)[:numel(shape)].reshape(shape)
 
@@ -134,7 +134,7 @@ class Q4TiledCodec(Codec):
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         shape = check_shape(shape)
         data = self._tiles(buf, shape).view(np.uint8).reshape(-1, 18)
-        out = np.empty((data.shape[0], GROUP), np.float32)
+        out = _outputs.empty((data.shape[0], GROUP), np.float32)
         _fast.q4_tiles_decode(data, _fast.F16_TABLE, out)
         return out.reshape(shape)
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..format.constants import Dtype
-from . import _fast
+from . import _fast, _outputs
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, f16_at, require_2d, row_block, row_chunks
 from .float import F16_TINY, f16_round, f16_scale, f32_to_f16_bits
 
@@ -47,7 +47,7 @@ class Q8RowCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         q, s = self._parts(buf, shape)
-        out = np.empty(q.shape, np.float32)
+        out = _outputs.empty(q.shape, np.float32)
         _fast.q8_decode(q, s, np.empty(0, np.float32), out)
         return out
 
@@ -98,7 +98,7 @@ class Q82fCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         q, s, col = self._parts(buf, shape)
-        out = np.empty(q.shape, np.float32)
+        out = _outputs.empty(q.shape, np.float32)
         _fast.q8_decode(q, s, col, out)  # (q·s)·col, the reference's evaluation order
         return out
 

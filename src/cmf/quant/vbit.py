@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..format.constants import GROUP, VBIT_WIDTHS, Dtype
 from ..format.dtypes import vbit_layout
 from ..format.errors import BoundsError
-from . import _fast
+from . import _fast, _outputs
 from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, f16_at, get_codec, require_2d, resolve_dtype,
                    row_block, row_chunks, seq_sum)
 from .float import f16_scale, f32_to_f16_bits
@@ -186,7 +186,7 @@ class VbitCodec(Codec):
                 cols: int, rows: np.ndarray) -> np.ndarray:
         nrows = widths.size
         gpr = cols // GROUP
-        out = np.empty((rows.size, cols), np.float32)
+        out = _outputs.empty((rows.size, cols), np.float32)
         if rows.size == 0 or cols == 0:
             return out
         scales = f16_at(data, scales_off, nrows * gpr).reshape(nrows, gpr)
@@ -203,7 +203,7 @@ class VbitCodec(Codec):
 
     def decode(self, buf: Buffer, shape: Sequence[int]) -> np.ndarray:
         data, widths, starts, scales_off, cols = self._layout(buf, shape)
-        out = np.empty((widths.size, cols), np.float32)
+        out = _outputs.empty((widths.size, cols), np.float32)
         _fast.vbit_decode(data, widths, starts, scales_off, _fast.F16_TABLE, cols, out)
         return out
 
