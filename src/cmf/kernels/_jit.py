@@ -301,9 +301,11 @@ def huge_zeros(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
                 return np.zeros(shape, dtype)
             off = 0
         _arena[:] = [m, start, off + nbytes, size]
-    arr = np.frombuffer(m, np.uint8, count=nbytes, offset=start + off).view(dtype).reshape(shape)
-    weakref.finalize(arr, _give_back, m, start + off, start + off + nbytes)
-    return arr
+    root = np.frombuffer(m, np.uint8, count=nbytes, offset=start + off)
+    # on the root, not the returned view: every view of the result keeps the root alive, so the
+    # pages go back only when no view can read them
+    weakref.finalize(root, _give_back, m, start + off, start + off + nbytes)
+    return root.view(dtype).reshape(shape)
 
 
 _local = threading.local()
