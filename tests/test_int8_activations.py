@@ -159,12 +159,80 @@ def test_portable_dot_without_vnni_gives_the_same_sums(model, tmp_path) -> None:
         "import json, sys, numpy as np\n"
         "from cmf.format.reader import open as o\n"
         "from cmf.kernels import _ir, prepare\n"
-        "assert not _ir.HW_VNNI\n"
+        "from cmf.kernels import q4\n"
+        "assert not _ir.HW_VNNI and q4.EXACT_PIECES == 0\n"
         "f = o(sys.argv[1]); x = np.array(json.loads(sys.argv[2]), np.float32)\n"
-        "print(json.dumps(prepare(f.tensor('q4tp'), int8_activations=True)(x).tolist()))\n")
+        "print(json.dumps([prepare(f.tensor('q4tp'), int8_activations=True)(x).tolist(),\n"
+        "                  prepare(f.tensor('q4tp'))(x).tolist()]))\n")
     env = dict(os.environ, CMF_NO_VNNI="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(x.tolist())], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    got = np.array(json.loads(out.stdout), np.float32)
+    got, exact = (np.array(v, np.float32) for v in json.loads(out.stdout))
     _close(got, want.astype(np.float64), 1e-6)
+    _close(exact, x.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T, 2e-6)  # float kernels
+
+
+# -- exact mode: x in three int8 pieces ----------------------------------------------------------
+
+def test_three_pieces_rebuild_x_to_within_3_6e7_of_its_group_max() -> None:
+    from cmf.kernels import q4
+
+    rng = np.random.default_rng(11)
+    X = (rng.standard_normal((2, 256)) * np.exp2(rng.normal(0, 3, (2, 256)))).astype(np.float32)
+    X[1, :32] = 0
+    X[0, 50] = -1e4  # an outlier dominating its group
+    gpr = 256 // 32
+    q8 = np.empty((2, gpr, 3, 4, 2, 4), np.int8)
+    xd = np.empty((2, gpr), np.float32)
+    xz = np.empty((2, 3 * gpr), np.float32)
+    q4.quantize_x(X, q8, xd, xz, np.float32(8))
+    # back to feature order: weight P·(4w + k) + p of a group sits at [w, p, k]
+    pieces = q8.transpose(0, 1, 2, 3, 5, 4).reshape(2, gpr, 3, 32).astype(np.float64)
+    assert np.abs(pieces[:, :, 0]).max() <= 127 and np.abs(pieces[:, :, 1:]).max() <= 64
+    rebuilt = xd[..., None].astype(np.float64) * (pieces[:, :, 0] + pieces[:, :, 1] / 128 + pieces[:, :, 2] / 128 ** 2)
+    groups = X.reshape(2, gpr, 32).astype(np.float64)
+    # d/2^15 for the last piece plus two float32 roundings (1/d, x·(1/d)) of up to 127·2^-24·d
+    bound = np.abs(groups).max(axis=-1, keepdims=True) * 3.6e-7
+    assert np.all(np.abs(rebuilt - groups) <= bound)
+    np.testing.assert_array_equal(xz.reshape(2, gpr, 3), 8 * pieces.sum(axis=-1))
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_exact_mode_matches_the_float_kernels_and_the_reference(model, name: str) -> None:
+    from cmf.kernels import q4
+
+    t = model.tensor(name)
+    op = prepare(t)
+    assert op.pieces == q4.EXACT_PIECES and not op.int8
+    flt = prepare(t)
+    flt.pieces = 0  # the float32 kernels (CPUs without VNNI)
+    w = ReferenceLinear(t).dense().astype(np.float64)
+    for x in _inputs():
+        exact = x.astype(np.float64) @ w.T
+        _close(op(x), exact, 2e-6)
+        _close(flt(x), exact, 2e-6)
+    x = _inputs()[1]
+    pick = np.array([199, 0, 7, 100, 64, 130])
+    _close(op.rows(pick, x), (x.astype(np.float64) @ w.T)[:, pick], 2e-6)
+    assert op.use_int8_activations(False) is False and op.pieces == q4.EXACT_PIECES
+    op.use_int8_activations(True)
+    assert op.pieces == 1
+
+
+def test_a_group_of_mixed_modes_runs_the_float_kernels(model) -> None:
+    t = model.tensor("q4_tiled")
+    a, b = prepare(t, int8_activations=True), prepare(t)
+    x = _inputs()[1][:1]
+    out = np.empty((1, 2 * SHAPE[0]), np.float32)
+    MatvecGroup([a, b])(x, out, 1)
+    exact = x.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T
+    _close(out[:, :SHAPE[0]], exact, 2e-6)
+    _close(out[:, SHAPE[0]:], exact, 2e-6)
+
+
+def test_exact_mode_non_finite_input_gives_nan_rows(model) -> None:
+    op = prepare(model.tensor("q4_block"))
+    x = _inputs()[0].copy()
+    x[70] = np.nan
+    assert np.isnan(op(x)[:192]).all()

@@ -219,14 +219,16 @@ def _dot4_u8s8(builder, acc, a, b):  # noqa: ANN001, ANN202
     return builder.add(acc, prod)
 
 
-def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
+def _make_tile_dot_i8(width: int, pieces: int = 1):  # noqa: ANN202 - returns a numba intrinsic
     """Integer sums of one 64-row tile-group of the 4-bit family against int8 activations.
 
     ``planes[base + 64k + i]`` is byte k (of ``width``) of row i's group. Bytes 4w..4w+3 of a
     row are gathered into one 32-bit lane (a constant byte shuffle across four 64-byte plane
     loads: 16 rows per vector), their codes split by phase (nibble or crumb position), and each
-    phase is multiplied with the four matching int8 activations ``xv[xoff + w·P + p]`` (one
-    packed int32, broadcast) by a u8 × s8 dot into the row's i32 sum. Writes S[0:64]."""
+    phase is multiplied with the four matching int8 activations ``xv[xoff + 8j + w·P + p]`` of
+    piece j (one packed int32, broadcast) by a u8 × s8 dot into the row's i32 sum. With
+    ``pieces`` > 1 (x split into int8 pieces, ``quantize_x``) the gathered codes serve every
+    piece. Writes S[64j : 64j + 64] for piece j."""
     phases = 2 if width == 16 else 4
     bits = 8 // phases
     field = sum(((1 << bits) - 1) << (8 * j) for j in range(4))
@@ -234,6 +236,7 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
     pair_b = [v for j in range(32, 64) for v in (j, 64 + j)]
     quads = [[v for j in range(16) for r in (16 * h + j,) for v in (2 * r, 2 * r + 1, 64 + 2 * r, 65 + 2 * r)]
              for h in range(2)]
+    words = 8  # int32 words of one piece of a group (32 int8)
 
     @intrinsic
     def tile_dot_i8(typingctx, planes, base, xv, xoff, S):  # noqa: ANN001
@@ -246,7 +249,7 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
             b64 = ir.VectorType(_I8, 64)
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
-            acc = [ir.Constant(v16, [0] * 16)] * 4
+            acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
             for w in range(width // 4):
                 B = []
                 for k in range(4):
@@ -255,19 +258,24 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
                 pairs = [ir.Constant(ir.VectorType(_I32, 64), m) for m in (pair_a, pair_b)]
                 p01 = [builder.shuffle_vector(B[0], B[1], m) for m in pairs]
                 p23 = [builder.shuffle_vector(B[2], B[3], m) for m in pairs]
-                xs = []
-                for p in range(phases):
-                    off = builder.add(args[3], ir.Constant(_I64, w * phases + p))
-                    xs.append(_splat(builder, builder.load(cgutils.gep(builder, xp, off)), v16))
+                xs = [[None] * phases for _ in range(pieces)]
+                for j in range(pieces):
+                    for p in range(phases):
+                        off = builder.add(args[3], ir.Constant(_I64, words * j + w * phases + p))
+                        xs[j][p] = _splat(builder, builder.load(cgutils.gep(builder, xp, off)), v16)
                 for c in range(4):
                     mix = ir.Constant(ir.VectorType(_I32, 64), quads[c % 2])
                     word = builder.bitcast(builder.shuffle_vector(p01[c // 2], p23[c // 2], mix), v16)
                     for p in range(phases):
                         part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
-                        acc[c] = _dot4_u8s8(builder, acc[c], builder.and_(part, msk), xs[p])
-            for c in range(4):
-                dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(_I64, 16 * c)), v16.as_pointer())
-                builder.store(acc[c], dst, align=4)
+                        codes = builder.and_(part, msk)
+                        for j in range(pieces):
+                            acc[j][c] = _dot4_u8s8(builder, acc[j][c], codes, xs[j][p])
+            for j in range(pieces):
+                for c in range(4):
+                    dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(_I64, 64 * j + 16 * c)),
+                                          v16.as_pointer())
+                    builder.store(acc[j][c], dst, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -277,6 +285,9 @@ def _make_tile_dot_i8(width: int):  # noqa: ANN202 - returns a numba intrinsic
 
 tile_dot_i8_nibbles = _make_tile_dot_i8(16)
 tile_dot_i8_crumbs = _make_tile_dot_i8(8)
+# x in three int8 pieces (x ≈ d·(q0 + q1/128 + q2/128²)): the exact-mode products
+tile_dot_i8x3_nibbles = _make_tile_dot_i8(16, 3)
+tile_dot_i8x3_crumbs = _make_tile_dot_i8(8, 3)
 
 
 @intrinsic

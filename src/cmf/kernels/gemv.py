@@ -236,11 +236,12 @@ class MatvecGroup:
             o0 = self.ops[0]
             gpr = self.in_features // 32
             self._xp = np.empty((1, o0.phases, gpr, o0.width), np.float32)
-            self._xs = np.empty((1, gpr), np.float32)
-            # int8 activations only when every matrix of the group runs them
-            i8 = all(o.int8 for o in self.ops)
-            self._q8 = np.empty(o0.x8_shape(1 if i8 else 0), np.int8)
-            self._xv = self._q8.reshape(self._q8.shape[0], gpr * 32).view(np.int32)
+            # x as int8 pieces only when every matrix of the group takes the same number
+            pieces = o0.pieces if all(o.pieces == o0.pieces for o in self.ops) else 0
+            self._xs = np.empty((1, gpr * max(pieces, 1)), np.float32)
+            self._q8 = np.empty(o0.x8_shape(1 if pieces else 0, pieces), np.int8)
+            self._xv = self._q8.reshape(self._q8.shape[0], -1).view(np.int32) if pieces else \
+                np.empty((0, gpr * 8), np.int32)
             self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
             self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (

@@ -31,13 +31,17 @@ from numba import prange
 from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
-from ._ir import tile_dot_i8_crumbs, tile_dot_i8_nibbles
+from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
                    plane_scales, scratch, threads)
 
 R = 64  # rows per tile: four 16-lane vectors
 CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i)
 KIND_F16, KIND_Q4TP, KIND_Q2TP = 0, 1, 2
+PIECE = np.float32(1 / 128)  # weight of each further int8 piece of x (exact-mode products)
+# Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
+# (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
+EXACT_PIECES = 3 if HW_VNNI else 0
 
 
 @numba.njit(**SERIAL)
@@ -181,22 +185,36 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
 def _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xz):  # pragma: no cover - compiled
     """acc[i] = row (t·R + i) · X[ti] with X quantized to int8 per group (``quantize_x``): the
     codes times the int8 activations are summed exactly in int32 (``_ir.tile_dot_i8_*``), then
-    acc[i] += s[i]·d·(S[i] − z·Σxq) per group."""
+    acc[i] += s[i]·d·(S[i] − z·Σxq) per group. With x in three pieces (exact mode) the piece
+    sums S_j − z_j (exact integers) are combined as d·(T_0 + (T_1 + T_2/128)/128)."""
     gpr = planes.shape[1]
     width = planes.shape[2]
     per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
+    three = xz.shape[1] == 3 * gpr
     acc[:] = 0
     for g in range(gpr):
         _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
         base = (t * gpr + g) * width * R
-        if width == 16:
-            tile_dot_i8_nibbles(planes, base, xv[ti], g * per, S)
-        else:
-            tile_dot_i8_crumbs(planes, base, xv[ti], g * per, S)
         d = xd[ti, g]
-        z = xz[ti, g]
-        for i in range(R):
-            acc[i] += s[i] * (d * (np.float32(S[i]) - z))
+        if three:
+            if width == 16:
+                tile_dot_i8x3_nibbles(planes, base, xv[ti], g * per, S)
+            else:
+                tile_dot_i8x3_crumbs(planes, base, xv[ti], g * per, S)
+            z0 = xz[ti, 3 * g]
+            z1 = xz[ti, 3 * g + 1]
+            z2 = xz[ti, 3 * g + 2]
+            for i in range(R):
+                fine = (np.float32(S[R + i]) - z1) + (np.float32(S[2 * R + i]) - z2) * PIECE
+                acc[i] += s[i] * (d * ((np.float32(S[i]) - z0) + fine * PIECE))
+        else:
+            if width == 16:
+                tile_dot_i8_nibbles(planes, base, xv[ti], g * per, S)
+            else:
+                tile_dot_i8_crumbs(planes, base, xv[ti], g * per, S)
+            z = xz[ti, g]
+            for i in range(R):
+                acc[i] += s[i] * (d * (np.float32(S[i]) - z))
 
 
 @numba.njit(**SERIAL_ORDERED)
@@ -209,7 +227,7 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
     zero point times Σ of the group's int8 values.
     """  # pragma: no cover - compiled
     i8 = xv.shape[0] > 0
-    S = np.empty(R, np.int32)
+    S = np.empty(3 * R, np.int32)
     acc = np.empty(R, np.float32)
     s = np.empty(R, np.float32)
     t0 = np.empty(R, np.float32)
@@ -242,18 +260,20 @@ def tiles_par(tiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs,
 
 
 @numba.njit(**SERIAL)
-def _x_parts(X, kind, i8):  # pragma: no cover - compiled
-    """Regrouped x and zero-point sums for one call (``split_x``), or with ``i8`` the int8
-    activations (``quantize_x``; then xp is empty)."""
+def _x_parts(X, kind, pieces):  # pragma: no cover - compiled
+    """Regrouped x and zero-point sums for one call (``split_x``), or with ``pieces`` (1 or 3)
+    x as int8 pieces (``quantize_x``; then xp is empty)."""
     T, n = X.shape
     gpr = n // GROUP
     phases = 4 if kind == KIND_Q2TP else 2
-    xs = np.empty((T, gpr), np.float32)
+    i8 = pieces > 0
+    K = max(pieces, 1)
+    xs = np.empty((T, gpr * K), np.float32)
     xd = np.empty((T if i8 else 0, gpr), np.float32)
-    q8 = np.empty((T if i8 else 0, gpr, GROUP // (4 * phases), phases, 4), np.int8)
+    q8 = np.empty((T if i8 else 0, gpr, K, GROUP // (4 * phases), phases, 4), np.int8)
     xp = np.empty((0 if i8 else T, phases, gpr, GROUP // phases), np.float32)
     fill_x(X, xp, xs, q8, xd, np.float32(1.5) if kind == KIND_Q2TP else np.float32(8))
-    return xp, xs, q8.reshape(q8.shape[0], gpr * GROUP).view(np.int32), xd
+    return xp, xs, q8.reshape(q8.shape[0], gpr * K * GROUP).view(np.int32), xd
 
 
 @numba.njit(**SERIAL)
@@ -283,18 +303,18 @@ def _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y):  # pragma: no c
 
 
 @numba.njit(**SERIAL_ORDERED)
-def matvec(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, i8):
+def matvec(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, pieces):
     """Y = X @ W.T over whole tiles and the tail rows: one call per product, no Python between."""
-    xp, xs, xv, xd = _x_parts(X, kind, i8)  # pragma: no cover - compiled
+    xp, xs, xv, xd = _x_parts(X, kind, pieces)  # pragma: no cover - compiled
     tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd,
               Y)
     _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
 
 
 @numba.njit(**PARALLEL_ORDERED)
-def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, nt, i8):
+def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, Y, nt, pieces):
     """``matvec`` with the tiles split across ``nt`` threads (tail rows after, on one)."""
-    xp, xs, xv, xd = _x_parts(X, kind, i8)  # pragma: no cover - compiled
+    xp, xs, xv, xd = _x_parts(X, kind, pieces)  # pragma: no cover - compiled
     n = tiles.shape[0]
     step = (n + nt - 1) // nt
     for c in prange(nt):
@@ -325,34 +345,82 @@ def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
 @numba.njit(**SERIAL)
 def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
     """int8 activations for the ``i8`` kernels, per group of 32: d = max|x|/127, q = rint(x/d)
-    (ties to even; computed as x·(1/d) in float32, as ``reference_quantize_x`` does).
+    (ties to even; computed as x·(1/d) in float32, as ``reference.int8_activations`` does).
 
-    ``q8[t, g, w, p, k]`` = q of weight P·(4w + k) + p of group g (P = 2 phases for nibbles, 4
-    for crumbs), so that word (w, p) read as int32 holds the four activations that meet the four
-    codes of phase p in bytes 4w..4w+3; xd[t, g] = d, xz[t, g] = zero·Σq. A group holding inf or
-    NaN gets d = NaN, so its rows come out NaN as in the float32 kernels."""
-    T, gpr, nw, P, _ = q8.shape
+    ``q8[t, g, j, w, p, k]`` = piece j of weight P·(4w + k) + p of group g (P = 2 phases for
+    nibbles, 4 for crumbs), so that word (j, w, p) read as int32 holds the four activations that
+    meet the four codes of phase p in bytes 4w..4w+3; xd[t, g] = d, xz[t, K·g + j] = zero·Σ of
+    piece j. With one piece (opt-in int8 activations) q = rint(x/d). With three (exact mode) the
+    residual is split on: v = x·(1/d), q0 = rint(v), q1 = rint((v − q0)·128), q2 = rint(((v − q0)
+    ·128 − q1)·128), every step after v exact in float32, so d·(q0 + q1/128 + q2/128²) is within
+    d/2^15 of v·d, and of x within max|x|·3.6e-7 (with the roundings of 1/d and x·(1/d)). A group holding inf or NaN gets d = NaN, so its rows come out
+    NaN as in the float32 kernels."""
+    K = q8.shape[2]
+    if K == 3:
+        _quantize_x3(X, q8, xd, xz, zero)
+        return
+    T, gpr, _, nw, P, _ = q8.shape
     for t in range(T):
         for g in range(gpr):
-            amax = np.float32(0)
-            bad = False
-            for j in range(GROUP):
-                a = abs(X[t, g * GROUP + j])
-                if not a <= np.float32(3.4e38):
-                    bad = True
-                amax = max(amax, a)
-            d = amax / np.float32(127)
-            inv = np.float32(1) / d if d > 0 and not bad else np.float32(0)
+            d, inv = _group_scale(X, t, g)
             tot = 0
             for w in range(nw):
                 for p in range(P):
                     for k in range(4):
                         v = np.rint(X[t, g * GROUP + P * (4 * w + k) + p] * inv)
                         q = np.int32(v) if v == v else np.int32(0)
-                        q8[t, g, w, p, k] = q
+                        q8[t, g, 0, w, p, k] = q
                         tot += q
-            xd[t, g] = np.float32(np.nan) if bad else d
+            xd[t, g] = d
             xz[t, g] = zero * np.float32(tot)
+
+
+@numba.njit(**SERIAL)
+def _group_scale(X, t, g):  # pragma: no cover - compiled
+    """(d, 1/d) of group g of X[t] (d = max|x|/127); d = NaN when the group holds inf or NaN."""
+    amax = np.float32(0)
+    bad = False
+    for j in range(GROUP):
+        a = abs(X[t, g * GROUP + j])
+        if not a <= np.float32(3.4e38):
+            bad = True
+        amax = max(amax, a)
+    d = amax / np.float32(127)
+    inv = np.float32(1) / d if d > 0 and not bad else np.float32(0)
+    return (np.float32(np.nan) if bad else d), inv
+
+
+@numba.njit(**SERIAL)
+def _quantize_x3(X, q8, xd, xz, zero):  # pragma: no cover - compiled
+    """``quantize_x`` into three int8 pieces (exact mode)."""
+    T, gpr, _, nw, P, _ = q8.shape
+    scale = np.float32(128)
+    for t in range(T):
+        for g in range(gpr):
+            d, inv = _group_scale(X, t, g)
+            t0 = 0
+            t1 = 0
+            t2 = 0
+            for w in range(nw):
+                for p in range(P):
+                    for k in range(4):
+                        v = X[t, g * GROUP + P * (4 * w + k) + p] * inv
+                        if not v == v:
+                            v = np.float32(0)
+                        a = np.rint(v)
+                        r = (v - a) * scale
+                        b = np.rint(r)
+                        c = np.rint((r - b) * scale)
+                        q8[t, g, 0, w, p, k] = np.int32(a)
+                        q8[t, g, 1, w, p, k] = np.int32(b)
+                        q8[t, g, 2, w, p, k] = np.int32(c)
+                        t0 += np.int32(a)
+                        t1 += np.int32(b)
+                        t2 += np.int32(c)
+            xd[t, g] = d
+            xz[t, 3 * g] = zero * np.float32(t0)
+            xz[t, 3 * g + 1] = zero * np.float32(t1)
+            xz[t, 3 * g + 2] = zero * np.float32(t2)
 
 
 @numba.njit(**SERIAL)
@@ -486,6 +554,7 @@ class TiledLinear(FusedLinear):
             self.exp2tab = _exp2_table()
         self.width = 8 if self.kind == KIND_Q2TP else 16
         self.int8 = False  # int8 activations in the fused products (use_int8_activations)
+        self.pieces = EXACT_PIECES  # int8 pieces x is split into for the fused products (0: float32)
         self.phases = GROUP // self.width
         self.zero = np.float32(8 if self.width == 16 else 1.5)
         self.ntiles = rows // R
@@ -508,22 +577,25 @@ class TiledLinear(FusedLinear):
         CPUs with VNNI, results within ~1e-2 relative of the exact product (``quantize_x``).
         The batched path (prefill) stays exact. Returns the new setting."""
         self.int8 = bool(on)
+        self.pieces = 1 if self.int8 else EXACT_PIECES
         return self.int8
 
     def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         T = X.shape[0]
         gpr = self.in_features // GROUP
-        i8, n = (T, 0) if self.int8 else (0, T)
-        xs = scratch("q4-xs", (T, gpr))
+        i8, n = (T, 0) if self.pieces else (0, T)
+        xs = scratch("q4-xs", (T, gpr * max(self.pieces, 1)))
         xp = scratch("q4-xp", (n, self.phases, gpr, self.width))
         q8 = scratch("q4-xq", self.x8_shape(i8), np.int8)
         xd = scratch("q4-xd", (i8, gpr))
         fill_x(X, xp, xs, q8, xd, self.zero)
-        return xp, xs, q8.reshape(i8, gpr * GROUP).view(np.int32), xd
+        return xp, xs, q8.reshape(i8, gpr * max(self.pieces, 1) * GROUP).view(np.int32), xd
 
-    def x8_shape(self, T: int) -> tuple[int, ...]:
-        """Shape of T vectors of int8 activations as ``quantize_x`` lays them out."""
-        return (T, self.in_features // GROUP, GROUP // (4 * self.phases), self.phases, 4)
+    def x8_shape(self, T: int, pieces: int | None = None) -> tuple[int, ...]:
+        """Shape of T vectors of int8 activations (``pieces`` of each, default this op's) as
+        ``quantize_x`` lays them out."""
+        K = max(self.pieces if pieces is None else pieces, 1)
+        return (T, self.in_features // GROUP, K, GROUP // (4 * self.phases), self.phases, 4)
 
     def _decode(self, rows: np.ndarray, out: np.ndarray) -> None:
         decode_rows(rows, self.kind, self.src, self.scs, self.cs, self.params, self.exp2tab, out)
@@ -536,9 +608,9 @@ class TiledLinear(FusedLinear):
 
     def _matmul(self, X, Y, par):
         if par and self.ntiles > 1:
-            matvec_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), self.int8)
+            matvec_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), self.pieces)
         else:
-            matvec(X, self.all_tiles, self.tail, *self._args(), Y, self.int8)
+            matvec(X, self.all_tiles, self.tail, *self._args(), Y, self.pieces)
 
     def _matmul_rows(self, rows, X, Y, par):
         tile_of = rows // R
