@@ -93,6 +93,21 @@ def test_kernel_matches_reference(model, name: str, tag: str) -> None:
     assert op.out_features == rows_n and op.in_features == cols
 
 
+@pytest.mark.parametrize("tag", ["tail", "big"])
+@pytest.mark.parametrize("name", DTYPES)
+def test_dequant_rows_are_the_codec_rows_exactly(model, name: str, tag: str) -> None:
+    """Embedding lookups go through ``dequant_rows`` of a prepared op (runtime/weights.py)."""
+    t = model.tensor(f"{name}.{tag}")
+    op = prepare(t)
+    if not hasattr(op, "dequant_rows"):
+        pytest.skip(f"{name}: reference op")
+    pick = np.array([t.shape[0] - 1, 0, 3, t.shape[0] // 2, 3])
+    np.testing.assert_array_equal(op.dequant_rows(pick), q.decode_rows(t.numpy(), t.dtype, t.shape, pick))
+    assert op.dequant_rows(np.zeros(0, np.int64)).shape == (0, t.shape[1])
+    with pytest.raises(BoundsError):
+        op.dequant_rows(np.array([t.shape[0]]))
+
+
 @pytest.mark.parametrize("name", ["q8_row", "q4_tiled", "q4tp", "q2tp", "vbit_ro", "q1s", "f16"])
 def test_serial_and_parallel_paths_agree(model, name: str, monkeypatch) -> None:
     t = model.tensor(f"{name}.tail")

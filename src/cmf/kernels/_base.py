@@ -111,6 +111,15 @@ class FusedLinear:
             Y = self._batched(X, idx)
         return Y[0] if vec else Y
 
+    def dequant_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of W as float32, exactly what ``cmf.quant.decode_rows`` returns, from
+        this op's prepared views (no payload validation per call: embedding lookups)."""
+        idx = self._check_rows(rows)
+        out = np.empty((idx.size, self.in_features), np.float32)
+        if out.size:
+            self._dequant_rows(idx, out, False)
+        return out
+
     def dense(self) -> np.ndarray:
         """The whole matrix as float32 (exactly what ``cmf.quant.decode`` returns)."""
         from .. import quant

@@ -313,3 +313,54 @@ def expand_nibbles(typingctx, src, soff, scale, out, ooff):  # noqa: ANN001
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _make_quantize_group(phases: int, pieces: int):  # noqa: ANN202 - returns a numba intrinsic
+    """x as int8 pieces for one group of 32 features, in the ``tile_dot_i8*`` layout.
+
+    v = x[xoff : xoff + 32]·inv (NaN, from inf·0 in a group holding inf or NaN, becomes 0);
+    piece 0 = rint(v), then twice more rint of the residual times 128 (``q4.quantize_x``). Each
+    piece is permuted so that byte w·4P + 4p + k holds feature P·(4w + k) + p, and stored at
+    q8[qoff + 32j]; sums[j] = Σ of piece j. One vector pass: the scalar loop it replaces cost
+    ~4 µs per 1024 features."""
+    perm = [phases * (4 * w + k) + p for w in range(32 // (4 * phases)) for p in range(phases) for k in range(4)]
+
+    @intrinsic
+    def quantize_group(typingctx, x, xoff, inv, q8, qoff, sums):  # noqa: ANN001
+        sig = types.void(x, types.int64, types.float32, q8, types.int64, sums)
+
+        def codegen(context, builder, signature, args):
+            xp = _data(context, builder, signature.args[0], args[0])
+            qp = _data(context, builder, signature.args[3], args[3])
+            sp = _data(context, builder, signature.args[5], args[5])
+            v32 = ir.VectorType(_F32, 32)
+            i32v = ir.VectorType(_I32, 32)
+            i8v = ir.VectorType(_I8, 32)
+            rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]), "llvm.rint.v32f32")
+            radd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [i32v]),
+                                                  "llvm.vector.reduce.add.v32i32")
+            v = builder.fmul(_vec_load(builder, cgutils.gep(builder, xp, args[1]), v32), _splat(builder, args[2], v32))
+            v = builder.select(builder.fcmp_unordered("uno", v, v), ir.Constant(v32, [0.0] * 32), v)
+            step = ir.Constant(v32, [128.0] * 32)
+            mix = ir.Constant(ir.VectorType(_I32, 32), perm)
+            rest = v
+            for j in range(pieces):
+                q = builder.call(rint, [rest])
+                if j + 1 < pieces:
+                    rest = builder.fmul(builder.fsub(rest, q), step)
+                qi = builder.fptosi(q, i32v)
+                builder.store(builder.call(radd, [qi]), cgutils.gep(builder, sp, ir.Constant(_I64, j)))
+                q8b = builder.shuffle_vector(builder.trunc(qi, i8v), ir.Constant(i8v, ir.Undefined), mix)
+                at = builder.add(args[4], ir.Constant(_I64, 32 * j))
+                builder.store(q8b, builder.bitcast(cgutils.gep(builder, qp, at), i8v.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return quantize_group
+
+
+quantize_group_n1 = _make_quantize_group(2, 1)  # nibble layout, one piece (int8 activations)
+quantize_group_n3 = _make_quantize_group(2, 3)  # nibble layout, three pieces (exact mode)
+quantize_group_c1 = _make_quantize_group(4, 1)  # crumb layout (q2tp)
+quantize_group_c3 = _make_quantize_group(4, 3)

@@ -56,7 +56,7 @@ HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or host_has("f16c")
 
 
 @intrinsic
-def _bits_as_f32(typingctx, x):  # noqa: ANN001 - numba intrinsic signature
+def bits_as_f32(typingctx, x):  # noqa: ANN001 - numba intrinsic signature
     """Reinterpret a uint32 as float32."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
@@ -76,9 +76,9 @@ def _f16_soft(h):  # pragma: no cover - compiled
     em = np.uint32(h) & np.uint32(0x7FFF)
     sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
     if em >= np.uint32(0x7C00):  # inf / NaN: all-ones exponent, payload kept
-        return _bits_as_f32(sign | (em << np.uint32(13)) | np.uint32(0x7F800000))
+        return bits_as_f32(sign | (em << np.uint32(13)) | np.uint32(0x7F800000))
     # normal and subnormal halves: shift into an f32 pattern, then rescale by 2^112 (exact)
-    v = _bits_as_f32(em << np.uint32(13)) * np.float32(5.192296858534828e33)
+    v = bits_as_f32(em << np.uint32(13)) * np.float32(5.192296858534828e33)
     return -v if sign else v
 
 

@@ -31,8 +31,9 @@ from numba import prange
 from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
-from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
-from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
+from ._ir import (HW_VNNI, quantize_group_c1, quantize_group_c3, quantize_group_n1, quantize_group_n3, tile_dot_i8_crumbs,
+                  tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles)
+from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bits_as_f32, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
                    plane_scales, scratch, threads)
 
 R = 64  # rows per tile: four 16-lane vectors
@@ -353,74 +354,40 @@ def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
     piece j. With one piece (opt-in int8 activations) q = rint(x/d). With three (exact mode) the
     residual is split on: v = x·(1/d), q0 = rint(v), q1 = rint((v − q0)·128), q2 = rint(((v − q0)
     ·128 − q1)·128), every step after v exact in float32, so d·(q0 + q1/128 + q2/128²) is within
-    d/2^15 of v·d, and of x within max|x|·3.6e-7 (with the roundings of 1/d and x·(1/d)). A group holding inf or NaN gets d = NaN, so its rows come out
-    NaN as in the float32 kernels."""
-    K = q8.shape[2]
-    if K == 3:
-        _quantize_x3(X, q8, xd, xz, zero)
-        return
-    T, gpr, _, nw, P, _ = q8.shape
+    d/2^15 of v·d, and of x within max|x|·3.6e-7 (with the roundings of 1/d and x·(1/d)).
+    A group holding inf or NaN gets d = NaN, so its rows come out NaN as in the float32 kernels.
+
+    One group per ``_ir.quantize_group_*`` (a single vector pass); the abs max is an integer max
+    of the sign-cleared bits (|x| orders as its bits for finite x), a loop LLVM vectorizes."""
+    T, gpr, K, nw, P, _ = q8.shape
+    bits = X.view(np.uint32)
+    flat = q8.reshape(T, gpr * K * GROUP)
+    sums = np.empty(3, np.int32)
     for t in range(T):
+        xt = X[t]
         for g in range(gpr):
-            d, inv = _group_scale(X, t, g)
-            tot = 0
-            for w in range(nw):
-                for p in range(P):
-                    for k in range(4):
-                        v = np.rint(X[t, g * GROUP + P * (4 * w + k) + p] * inv)
-                        q = np.int32(v) if v == v else np.int32(0)
-                        q8[t, g, 0, w, p, k] = q
-                        tot += q
-            xd[t, g] = d
-            xz[t, g] = zero * np.float32(tot)
-
-
-@numba.njit(**SERIAL)
-def _group_scale(X, t, g):  # pragma: no cover - compiled
-    """(d, 1/d) of group g of X[t] (d = max|x|/127); d = NaN when the group holds inf or NaN."""
-    amax = np.float32(0)
-    bad = False
-    for j in range(GROUP):
-        a = abs(X[t, g * GROUP + j])
-        if not a <= np.float32(3.4e38):
-            bad = True
-        amax = max(amax, a)
-    d = amax / np.float32(127)
-    inv = np.float32(1) / d if d > 0 and not bad else np.float32(0)
-    return (np.float32(np.nan) if bad else d), inv
-
-
-@numba.njit(**SERIAL)
-def _quantize_x3(X, q8, xd, xz, zero):  # pragma: no cover - compiled
-    """``quantize_x`` into three int8 pieces (exact mode)."""
-    T, gpr, _, nw, P, _ = q8.shape
-    scale = np.float32(128)
-    for t in range(T):
-        for g in range(gpr):
-            d, inv = _group_scale(X, t, g)
-            t0 = 0
-            t1 = 0
-            t2 = 0
-            for w in range(nw):
-                for p in range(P):
-                    for k in range(4):
-                        v = X[t, g * GROUP + P * (4 * w + k) + p] * inv
-                        if not v == v:
-                            v = np.float32(0)
-                        a = np.rint(v)
-                        r = (v - a) * scale
-                        b = np.rint(r)
-                        c = np.rint((r - b) * scale)
-                        q8[t, g, 0, w, p, k] = np.int32(a)
-                        q8[t, g, 1, w, p, k] = np.int32(b)
-                        q8[t, g, 2, w, p, k] = np.int32(c)
-                        t0 += np.int32(a)
-                        t1 += np.int32(b)
-                        t2 += np.int32(c)
-            xd[t, g] = d
-            xz[t, 3 * g] = zero * np.float32(t0)
-            xz[t, 3 * g + 1] = zero * np.float32(t1)
-            xz[t, 3 * g + 2] = zero * np.float32(t2)
+            bg = bits[t, g * GROUP:(g + 1) * GROUP]
+            top = np.uint32(0)
+            special = np.uint32(0)
+            for j in range(GROUP):
+                m = bg[j] & np.uint32(0x7FFFFFFF)
+                top = max(top, m)
+                special |= np.uint32(1) if m >= np.uint32(0x7F800000) else np.uint32(0)
+            d = bits_as_f32(top) / np.float32(127) if special == 0 else np.float32(0)
+            inv = np.float32(1) / d if d > 0 else np.float32(0)
+            at = g * K * GROUP
+            if P == 2:
+                if K == 3:
+                    quantize_group_n3(xt, g * GROUP, inv, flat[t], at, sums)
+                else:
+                    quantize_group_n1(xt, g * GROUP, inv, flat[t], at, sums)
+            elif K == 3:
+                quantize_group_c3(xt, g * GROUP, inv, flat[t], at, sums)
+            else:
+                quantize_group_c1(xt, g * GROUP, inv, flat[t], at, sums)
+            xd[t, g] = np.float32(np.nan) if special else d
+            for j in range(K):
+                xz[t, K * g + j] = zero * np.float32(sums[j])
 
 
 @numba.njit(**SERIAL)
