@@ -45,7 +45,7 @@ def q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no c
         for t in range(T):
             x = X[t]
             if kind == Q1T:
-                acc = q1t_dot(tflat, r * gpr * 9, gpr, x, lut[0], lut[1])
+                acc = q1t_dot(tflat, r * gpr * 9, gpr, x)
             else:
                 acc = q1_dot(tflat, r * gpr * 6, gpr, x, xs[t])
             for e in range(ptr[r], ptr[r + 1]):
