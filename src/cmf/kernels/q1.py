@@ -3,9 +3,9 @@
 q1: a group is ``[f16 s][4 B sign bits]``; the 32 bits become a lane mask selecting x
 (``_ir.q1_dot``: ``Σ s·(2·bit - 1)·x = s·(2·Σ_{bit} x - Σx)``). q1s adds its sparse f16
 overlay afterwards: an outlier replaces the base value, so its row gains ``(v - base)·x[c]``.
-q1t: a group is ``[f16 s][7 B base-3]``; two 256-entry tables give each byte's +1 and -1 digits
-as bit masks, assembled into two 32-lane masks per group (``_ir.q1t_dot``); its per-row overlay
-entries are added to the base, as the codec does.
+q1t: a group is ``[f16 s][7 B base-3]``; ``_ir.q1t_dot`` decodes its 32 digits in one vector pass
+(multiply-high division by powers of 3); its per-row overlay entries are added to the base, as the
+codec does.
 
 Overlay entries are read in place (q1s: 6-byte ``[u32 flat index][f16]``, q1t: 4-byte
 ``[u16 column][f16]``); only the per-row entry ranges (one int64 per row) are computed at
@@ -29,12 +29,9 @@ from ._jit import PARALLEL, SERIAL, f16_at, threads
 from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
-# code byte -> 5-bit masks of its +1 digits (row 0) and -1 digits (row 1), from the codec's table
-TERNARY_MASKS = np.stack([((TERNARY_LUT == v) * (1 << np.arange(5))).sum(axis=1) for v in (1.0, -1.0)]).astype(np.uint8)
-
 
 @numba.njit(**SERIAL)
-def q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
+def q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
     """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); ``ptr``/``ent`` describe the overlay,
     ``xs[t, g]`` = Σ of X[t] over group g (q1/q1s)."""
     T, n = X.shape
@@ -67,20 +64,20 @@ def q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no c
 
 
 @numba.njit(**PARALLEL)
-def q1_rows_par(kind, tiles, lut, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
+def q1_rows_par(kind, tiles, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
     """q1_rows over one contiguous chunk of ``rows`` per thread (group sums computed first)."""
     xs = group_sums(X)
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
-        q1_rows(kind, tiles, lut, ptr, ent, X, xs, Y, rows, i0, min(n, i0 + step))
+        q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, min(n, i0 + step))
 
 
 @numba.njit(**SERIAL)
-def q1_rows_all(kind, tiles, lut, ptr, ent, X, Y, rows):  # pragma: no cover - compiled
+def q1_rows_all(kind, tiles, ptr, ent, X, Y, rows):  # pragma: no cover - compiled
     """q1_rows over every given row, in one call."""
-    q1_rows(kind, tiles, lut, ptr, ent, X, group_sums(X), Y, rows, 0, rows.shape[0])
+    q1_rows(kind, tiles, ptr, ent, X, group_sums(X), Y, rows, 0, rows.shape[0])
 
 
 @numba.njit(**SERIAL)
@@ -128,12 +125,10 @@ class Q1Linear(FusedLinear):
         self.kind = int(tensor.dtype)
         if self.kind == Q1T:
             self.tiles = data[:9 * rows * gpr].reshape(rows, gpr, 9)
-            self.lut = TERNARY_MASKS
             self.ptr = q1t_row_ptr(data, tensor.shape, tensor.name)
             self.ent = data[9 * rows * gpr + 4 * (rows + 1):]
         else:
             self.tiles = data[:6 * rows * gpr].reshape(rows, gpr, 6)
-            self.lut = TERNARY_MASKS  # unused by q1/q1s
             if self.kind == Q1S:
                 self.ptr, self.ent = _q1s_overlay(data, (rows, cols), tensor.name)
             else:
@@ -155,7 +150,7 @@ class Q1Linear(FusedLinear):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
-        args = (self.kind, self.tiles, self.lut, self.ptr, self.ent, X, Y, rows)
+        args = (self.kind, self.tiles, self.ptr, self.ent, X, Y, rows)
         if par:
             q1_rows_par(*args, threads())
         else:
