@@ -211,12 +211,12 @@ def test_packed_4bit_sources_are_released_and_refault_correctly(tmp_path) -> Non
     m = (rng.standard_normal((200, 2048)) * 0.05).astype(np.float32)  # 3 whole tiles + 8 tail rows
     path = tmp_path / "q4.cmf"
     with CmfWriter(path, header()) as w:
-        for name in ("q4tp", "q4_block", "q4_tiled"):
+        for name in ("q4tp", "q4_block", "q4_tiled", "q1t"):
             w.add(name, name, m.shape, q.encode(m, name))
     with cmf_open(path) as f:
         rel = PackedSourceReleaser(f)
         x = rng.standard_normal((1, 2048)).astype(np.float32)
-        for name in ("q4tp", "q4_block", "q4_tiled"):
+        for name in ("q4tp", "q4_block", "q4_tiled", "q1t"):  # q1t: the tiles inside its Q1Linear
             op = prepare(f.tensor(name))
             before = op(x[0]).copy()
             got = rel.release([op])

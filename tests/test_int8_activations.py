@@ -176,7 +176,7 @@ def test_portable_dot_without_vnni_gives_the_same_sums(model, tmp_path) -> None:
 # -- exact mode: x in three int8 pieces ----------------------------------------------------------
 
 def test_three_pieces_rebuild_x_to_within_3_6e7_of_its_group_max() -> None:
-    from cmf.kernels import q4
+    from cmf.kernels import xprep
 
     rng = np.random.default_rng(11)
     X = (rng.standard_normal((2, 256)) * np.exp2(rng.normal(0, 3, (2, 256)))).astype(np.float32)
@@ -186,7 +186,7 @@ def test_three_pieces_rebuild_x_to_within_3_6e7_of_its_group_max() -> None:
     q8 = np.empty((2, gpr, 3, 4, 2, 4), np.int8)
     xd = np.empty((2, gpr), np.float32)
     xz = np.empty((2, 3 * gpr), np.float32)
-    q4.quantize_x(X, q8, xd, xz, np.float32(8))
+    xprep.quantize_x(X, q8, xd, xz, np.float32(8))
     # back to feature order: weight P·(4w + k) + p of a group sits at [w, p, k]
     pieces = q8.transpose(0, 1, 2, 3, 5, 4).reshape(2, gpr, 3, 32).astype(np.float64)
     assert np.abs(pieces[:, :, 0]).max() <= 127 and np.abs(pieces[:, :, 1:]).max() <= 64
@@ -236,3 +236,29 @@ def test_exact_mode_non_finite_input_gives_nan_rows(model) -> None:
     x = _inputs()[0].copy()
     x[70] = np.nan
     assert np.isnan(op(x)[:192]).all()
+
+
+def test_q1t_products_run_on_crumb_tiles_with_the_overlay_added(tmp_path) -> None:
+    from cmf.kernels import q4
+
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((200, 256)) * 0.05).astype(np.float32)
+    w[5, 7] = 3.0  # outliers for the overlay
+    w[150, 200] = -2.5
+    path = tmp_path / "q1t.cmf"
+    with CmfWriter(path, header()) as wr:
+        wr.add("q1t", "q1t", w.shape, q.encode(w, "q1t", keep=0.01))
+    with cmf_open(path) as f:
+        t = f.tensor("q1t")
+        op = prepare(t)
+        assert op.tiled is not None and op.tiled.kind == q4.KIND_Q1T and op.has_overlay
+        dense = ReferenceLinear(t).dense().astype(np.float64)
+        x = _inputs()[1][:, :256]
+        exact = x.astype(np.float64) @ dense.T
+        _close(op(x), exact, 2e-6)
+        pick = np.array([199, 5, 150, 0, 64])
+        _close(op.rows(pick, x), exact[:, pick], 2e-6)
+        assert op.tiled.ready.all()  # packed: the base now comes from the tiles
+        fast = prepare(t, int8_activations=True)
+        assert fast.int8
+        _close(fast(x), exact, 2e-2)

@@ -335,7 +335,7 @@ def _make_quantize_group(phases: int, pieces: int):  # noqa: ANN202 - returns a 
     """x as int8 pieces for one group of 32 features, in the ``tile_dot_i8*`` layout.
 
     v = x[xoff : xoff + 32]·inv (NaN, from inf·0 in a group holding inf or NaN, becomes 0);
-    piece 0 = rint(v), then twice more rint of the residual times 128 (``q4.quantize_x``). Each
+    piece 0 = rint(v), then twice more rint of the residual times 128 (``xprep.quantize_x``). Each
     piece is permuted so that byte w·4P + 4p + k holds feature P·(4w + k) + p, and stored at
     q8[qoff + 32j]; sums[j] = Σ of piece j. One vector pass: the scalar loop it replaces cost
     ~4 µs per 1024 features."""

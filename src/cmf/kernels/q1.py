@@ -26,6 +26,8 @@ from ..quant.q1 import TERNARY_LUT
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
 from ._jit import PARALLEL, SERIAL, f16_at, threads
+from .q4 import R as TILE_R
+from .q4 import TiledLinear
 from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
@@ -97,6 +99,30 @@ def overlay_rows(kind, ptr, ent, r0, r1, cols, out):  # pragma: no cover - compi
                 out[r - r0, flat - r * cols] = f16_at(ent, p + 4)
 
 
+@numba.njit(**SERIAL)
+def overlay_products(ptr, ent, rows, X, Y, i0, i1):  # pragma: no cover - compiled
+    """Y[t, i] += Σ_e v_e·X[t, c_e] over the q1t overlay entries of row rows[i], i in [i0, i1)
+    (added to the base products of the tiled kernels, as the codec adds them to the decoded base)."""
+    for i in range(i0, i1):
+        r = rows[i]
+        for e in range(ptr[r], ptr[r + 1]):
+            p = 4 * e
+            c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
+            v = f16_at(ent, p + 2)
+            for t in range(X.shape[0]):
+                Y[t, i] += v * X[t, c]
+
+
+@numba.njit(**PARALLEL)
+def overlay_products_par(ptr, ent, rows, X, Y, nt):  # pragma: no cover - compiled
+    """overlay_products over one contiguous chunk of ``rows`` per thread."""
+    n = rows.shape[0]
+    step = (n + nt - 1) // nt
+    for j in prange(nt):
+        i0 = min(n, j * step)
+        overlay_products(ptr, ent, rows, X, Y, i0, min(n, i0 + step))
+
+
 def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(per-row entry ranges, entry bytes) of a q1s payload, entries strictly increasing."""
     rows, cols = shape
@@ -135,6 +161,20 @@ class Q1Linear(FusedLinear):
                 self.ptr = np.zeros(rows + 1, np.int64)
                 self.ent = np.zeros(0, np.uint8)
         self.all_rows = np.arange(rows, dtype=np.int64)
+        # q1t decode products run on the base repacked into 64-row crumb tiles (q4.TiledLinear:
+        # 10 B per 32 weights against the stored 9, the mapped pages given back once packed), with
+        # the integer kernels there; the overlay is added afterwards. Prefill keeps q1_gemm.
+        self.tiled = TiledLinear(tensor) if self.kind == Q1T and rows >= TILE_R else None
+        self.has_overlay = bool(self.ptr.size) and int(self.ptr[-1]) > 0
+
+    @property
+    def int8(self) -> bool:
+        """Whether the fused products take int8 activations (q1t tiles only)."""
+        return self.tiled is not None and self.tiled.int8
+
+    def use_int8_activations(self, on: bool = True) -> bool:
+        """q1t: int8 activations in the tiled products (``TiledLinear.use_int8_activations``)."""
+        return self.tiled.use_int8_activations(on) if self.tiled is not None else False
 
     def _dequant(self, r0, r1, out, par):
         gpr = self.in_features // GROUP
@@ -150,6 +190,17 @@ class Q1Linear(FusedLinear):
         self._matmul_rows(self.all_rows, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
+        if self.tiled is not None:
+            if rows is self.all_rows:
+                self.tiled._matmul(X, Y, par)
+            else:
+                self.tiled._matmul_rows(rows, X, Y, par)
+            if self.has_overlay:
+                if par:
+                    overlay_products_par(self.ptr, self.ent, rows, X, Y, threads())
+                else:
+                    overlay_products(self.ptr, self.ent, rows, X, Y, 0, rows.shape[0])
+            return
         args = (self.kind, self.tiles, self.ptr, self.ent, X, Y, rows)
         if par:
             q1_rows_par(*args, threads())

@@ -31,14 +31,14 @@ from numba import prange
 from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
-from ._ir import (HW_VNNI, quantize_group_c1, quantize_group_c3, quantize_group_n1, quantize_group_n3, tile_dot_i8_crumbs,
-                  tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles)
-from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bits_as_f32, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
+from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
+from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, huge_zeros, lo_nibble,
                    plane_scales, scratch, threads)
+from .xprep import fill_x
 
 R = 64  # rows per tile: four 16-lane vectors
 CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i)
-KIND_F16, KIND_Q4TP, KIND_Q2TP = 0, 1, 2
+KIND_F16, KIND_Q4TP, KIND_Q2TP, KIND_Q1T = 0, 1, 2, 3  # q1t: ternary digits as crumbs t + 1
 PIECE = np.float32(1 / 128)  # weight of each further int8 piece of x (exact-mode products)
 # Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
 # (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
@@ -56,11 +56,44 @@ def _code(cs, row, g):  # pragma: no cover - compiled
     return (word >> (bit & 7)) & 31
 
 
+@numba.njit(inline="always")
+def _f16_scales(kind):  # pragma: no cover - compiled
+    """Whether a kind's groups carry an f16 scale (else a ladder code)."""
+    return kind == KIND_F16 or kind == KIND_Q1T
+
+
+@numba.njit(inline="always")
+def _q1t_code(src, row, g, w):  # pragma: no cover - compiled
+    """Weight w of a q1t group as t + 1 (0, 1, 2 for −1, 0, +1): base-3 digit w % 5 of byte
+    w // 5 (0 → 0, 1 → +1, 2 → −1, as the codec's TERNARY_LUT)."""
+    digit = (np.int64(src[row, g, 2 + w // 5]) // (3 ** (w % 5))) % 3
+    return 1 if digit == 0 else (2 if digit == 1 else 0)
+
+
+@numba.njit(**SERIAL)
+def _pack_tile_q1t(t, src, planes, sc):  # pragma: no cover - compiled
+    """Tile t of a q1t base (groups of ``[f16 s][7 B base-3]``): each weight as the crumb t + 1,
+    four to a byte like q2tp's planes, and the scale's f16 bits."""
+    gpr = planes.shape[1]
+    for i in range(R):
+        row = t * R + i
+        for g in range(gpr):
+            sc[t, g, i] = np.uint16(src[row, g, 0]) | (np.uint16(src[row, g, 1]) << np.uint16(8))
+            for k in range(8):
+                v = 0
+                for q in range(4):
+                    v |= _q1t_code(src, row, g, 4 * k + q) << (2 * q)
+                planes[t, g, k, i] = np.uint8(v)
+
+
 @numba.njit(**SERIAL)
 def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - compiled
     """Copy tile t from the stored layout: planes, then f16 scale bits or the codes (bit planes).
 
     Only final values are stored, so packing the same tile twice at once is harmless."""
+    if kind == KIND_Q1T:
+        _pack_tile_q1t(t, src, planes, sc)
+        return
     gpr = planes.shape[1]
     width = planes.shape[2]
     off = src.shape[2] - width  # q4_tiled records: [f16 scale][16 B], the nibbles at byte 2
@@ -125,7 +158,7 @@ def _powers(t, params, exp2tab, t0, pw):  # pragma: no cover - compiled
 @numba.njit(inline="always")
 def _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s):  # pragma: no cover - compiled
     """s[i] = the scale of group g of row t·R + i (f16 bits, or the ladder rung of its code)."""
-    if kind == KIND_F16:
+    if _f16_scales(kind):
         for i in range(R):
             s[i] = f16_to_f32(sc[t, g, i])
     else:
@@ -148,7 +181,7 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
     for g in range(gpr):
         _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
         z = xs[ti, g]
-        if kind == KIND_Q2TP:
+        if planes.shape[2] == 8:  # crumbs: q2tp, q1t
             for i in range(R):
                 a = np.float32(0)
                 b = np.float32(0)
@@ -238,7 +271,7 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
         if ready[t] == 0:
             _pack_tile(t, kind, src, scs, cs, planes, sc, cw)
             ready[t] = 1
-        if kind != KIND_F16:
+        if not _f16_scales(kind):
             _powers(t, params, exp2tab, t0, pw)
         for ti in range(xs.shape[0]):
             if i8:
@@ -266,25 +299,25 @@ def _x_parts(X, kind, pieces):  # pragma: no cover - compiled
     x as int8 pieces (``quantize_x``; then xp is empty)."""
     T, n = X.shape
     gpr = n // GROUP
-    phases = 4 if kind == KIND_Q2TP else 2
+    phases = 2 if kind == KIND_F16 or kind == KIND_Q4TP else 4
     i8 = pieces > 0
     K = max(pieces, 1)
     xs = np.empty((T, gpr * K), np.float32)
     xd = np.empty((T if i8 else 0, gpr), np.float32)
     q8 = np.empty((T if i8 else 0, gpr, K, GROUP // (4 * phases), phases, 4), np.int8)
     xp = np.empty((0 if i8 else T, phases, gpr, GROUP // phases), np.float32)
-    fill_x(X, xp, xs, q8, xd, np.float32(1.5) if kind == KIND_Q2TP else np.float32(8))
+    fill_x(X, xp, xs, q8, xd, _zero(kind))
     return xp, xs, q8.reshape(q8.shape[0], gpr * K * GROUP).view(np.int32), xd
 
 
-@numba.njit(**SERIAL)
-def fill_x(X, xp, xs, q8, xd, zero):  # pragma: no cover - compiled
-    """A product's shared input: int8 activations when ``q8`` has rows (``quantize_x``), else x
-    regrouped by byte position (``split_x``)."""
-    if q8.shape[0]:
-        quantize_x(X, q8, xd, xs, zero)
-    else:
-        split_x(X, xp, xs, zero)
+@numba.njit(inline="always")
+def _zero(kind):  # pragma: no cover - compiled
+    """The code of a zero weight: 8 for nibbles, 1.5 for q2tp crumbs, 1 for q1t (t + 1)."""
+    if kind == KIND_Q2TP:
+        return np.float32(1.5)
+    if kind == KIND_Q1T:
+        return np.float32(1)
+    return np.float32(8)
 
 
 @numba.njit(**SERIAL)
@@ -326,74 +359,17 @@ def matvec_par(X, tiles, tail, kind, planes, sc, cw, params, exp2tab, ready, src
 
 
 @numba.njit(**SERIAL)
-def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
-    """Regroup X by a weight's position within its byte; xs[t, g] = zero·Σ of group g.
-
-    Nibbles: 2 phases (even and odd features), crumbs: 4; xp[t, j, g, k] = X[t, 32g + P·k + j].
-    """
-    T, phases, gpr, per = xp.shape
-    for t in range(T):
-        for g in range(gpr):
-            tot = np.float32(0)
-            for k in range(per):
-                for j in range(phases):
-                    v = X[t, g * GROUP + phases * k + j]
-                    xp[t, j, g, k] = v
-                    tot += v
-            xs[t, g] = tot * zero
-
-
-@numba.njit(**SERIAL)
-def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
-    """int8 activations for the ``i8`` kernels, per group of 32: d = max|x|/127, q = rint(x/d)
-    (ties to even; computed as x·(1/d) in float32, as ``reference.int8_activations`` does).
-
-    ``q8[t, g, j, w, p, k]`` = piece j of weight P·(4w + k) + p of group g (P = 2 phases for
-    nibbles, 4 for crumbs), so that word (j, w, p) read as int32 holds the four activations that
-    meet the four codes of phase p in bytes 4w..4w+3; xd[t, g] = d, xz[t, K·g + j] = zero·Σ of
-    piece j. With one piece (opt-in int8 activations) q = rint(x/d). With three (exact mode) the
-    residual is split on: v = x·(1/d), q0 = rint(v), q1 = rint((v − q0)·128), q2 = rint(((v − q0)
-    ·128 − q1)·128), every step after v exact in float32, so d·(q0 + q1/128 + q2/128²) is within
-    d/2^15 of v·d, and of x within max|x|·3.6e-7 (with the roundings of 1/d and x·(1/d)).
-    A group holding inf or NaN gets d = NaN, so its rows come out NaN as in the float32 kernels.
-
-    One group per ``_ir.quantize_group_*`` (a single vector pass); the abs max is an integer max
-    of the sign-cleared bits (|x| orders as its bits for finite x), a loop LLVM vectorizes."""
-    T, gpr, K, nw, P, _ = q8.shape
-    bits = X.view(np.uint32)
-    flat = q8.reshape(T, gpr * K * GROUP)
-    sums = np.empty(3, np.int32)
-    for t in range(T):
-        xt = X[t]
-        for g in range(gpr):
-            bg = bits[t, g * GROUP:(g + 1) * GROUP]
-            top = np.uint32(0)
-            special = np.uint32(0)
-            for j in range(GROUP):
-                m = bg[j] & np.uint32(0x7FFFFFFF)
-                top = max(top, m)
-                special |= np.uint32(1) if m >= np.uint32(0x7F800000) else np.uint32(0)
-            d = bits_as_f32(top) / np.float32(127) if special == 0 else np.float32(0)
-            inv = np.float32(1) / d if d > 0 else np.float32(0)
-            at = g * K * GROUP
-            if P == 2:
-                if K == 3:
-                    quantize_group_n3(xt, g * GROUP, inv, flat[t], at, sums)
-                else:
-                    quantize_group_n1(xt, g * GROUP, inv, flat[t], at, sums)
-            elif K == 3:
-                quantize_group_c3(xt, g * GROUP, inv, flat[t], at, sums)
-            else:
-                quantize_group_c1(xt, g * GROUP, inv, flat[t], at, sums)
-            xd[t, g] = np.float32(np.nan) if special else d
-            for j in range(K):
-                xz[t, K * g + j] = zero * np.float32(sums[j])
-
-
-@numba.njit(**SERIAL)
 def decode_rows(rows, kind, src, scs, cs, params, exp2tab, out):  # pragma: no cover - compiled
-    """Rows from the stored layout (exactly the codec's values): tails and batched row picks."""
+    """Rows from the stored layout (exactly the codec's values): tails and batched row picks
+    (q1t: the base only; its overlay is the caller's)."""
     gpr = src.shape[1]
+    if kind == KIND_Q1T:
+        for i in range(rows.shape[0]):
+            for g in range(gpr):
+                s = f16_to_f32(np.uint16(src[rows[i], g, 0]) | (np.uint16(src[rows[i], g, 1]) << np.uint16(8)))
+                for w in range(GROUP):
+                    out[i, g * GROUP + w] = np.float32(_q1t_code(src, rows[i], g, w) - 1) * s
+        return
     width = 8 if kind == KIND_Q2TP else 16
     off = src.shape[2] - width
     per = GROUP // width  # weights per byte: 2 (nibbles) or 4 (crumbs)
@@ -433,11 +409,12 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
     s = np.empty(R, np.float32)
     base = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
+    zero = _zero(kind)
     for t in range(t0, t1):
         if ready[t] == 0:
             _pack_tile(t, kind, src, scs, cs, planes, sc, cw)
             ready[t] = 1
-        if kind != KIND_F16:
+        if not _f16_scales(kind):
             _powers(t, params, exp2tab, base, pw)
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
@@ -455,7 +432,7 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
                     for q in range(4):
                         dst = ot[g * GROUP + 4 * k + q]
                         for i in range(R):
-                            dst[i] = (crumb(pk[i], q) - np.float32(1.5)) * s[i]
+                            dst[i] = (crumb(pk[i], q) - zero) * s[i]
 
 
 @numba.njit(**PARALLEL_ORDERED)
@@ -484,7 +461,8 @@ def _exp2_table() -> np.ndarray:
 
 
 class TiledLinear(FusedLinear):
-    """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles."""
+    """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles; also the base
+    of q1t (its overlay is added by ``q1.Q1Linear``)."""
 
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 24-32 at 4096² (benchmarks/quant.py)
 
@@ -510,6 +488,9 @@ class TiledLinear(FusedLinear):
             self.kind = KIND_F16
             self.src = data[:16 * G].reshape(rows, gpr, 16)
             self.scs = data[16 * G:18 * G].reshape(rows, gpr, 2)
+        elif d == Dtype.Q1T:
+            self.kind, self.scs = KIND_Q1T, none8
+            self.src = data[:9 * rows * gpr].reshape(rows, gpr, 9)
         else:
             width = 16 if d == Dtype.Q4TP else 8
             a = rows * gpr * width
@@ -519,17 +500,18 @@ class TiledLinear(FusedLinear):
             self.params = data[a:a + 4 * rows].view("<u2").reshape(rows, 2)
             self.cs = data[a + 4 * rows:].reshape(rows, (5 * gpr + 7) // 8)
             self.exp2tab = _exp2_table()
-        self.width = 8 if self.kind == KIND_Q2TP else 16
+        self.width = 16 if self.kind in (KIND_F16, KIND_Q4TP) else 8
         self.int8 = False  # int8 activations in the fused products (use_int8_activations)
         self.pieces = EXACT_PIECES  # int8 pieces x is split into for the fused products (0: float32)
         self.phases = GROUP // self.width
-        self.zero = np.float32(8 if self.width == 16 else 1.5)
+        self.zero = np.float32({KIND_Q2TP: 1.5, KIND_Q1T: 1.0}.get(self.kind, 8.0))
         self.ntiles = rows // R
         nt = self.ntiles
         # zero pages, in huge pages (_jit.huge_zeros): nothing is resident until a tile is packed
         self.planes = huge_zeros((nt, gpr, self.width, R), np.uint8)
-        self.sc = huge_zeros((nt, gpr, R) if self.kind == KIND_F16 else (0, 0, 0), np.uint16)
-        self.cw = huge_zeros((nt * gpr * CODE_BYTES if self.kind != KIND_F16 else 0,), np.uint8)
+        f16 = self.kind in (KIND_F16, KIND_Q1T)
+        self.sc = huge_zeros((nt, gpr, R) if f16 else (0, 0, 0), np.uint16)
+        self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
         self.ready = np.zeros(nt, np.uint8)
         self.all_tiles = np.arange(nt, dtype=np.int64)
         self.tail = np.arange(nt * R, rows, dtype=np.int64)

@@ -64,7 +64,7 @@ def prepare_reference(tensor) -> ReferenceLinear:
 
 
 def int8_activations(x: np.ndarray) -> np.ndarray:
-    """x as the int8-activation kernels see it (``q4.quantize_x``), dequantized: per group of 32
+    """x as the int8-activation kernels see it (``xprep.quantize_x``), dequantized: per group of 32
     features d = max|x|/127 and x̂ = rint(x·(1/d))·d, all in float32. The oracle for
     ``TiledLinear.use_int8_activations``: its rows equal ``decode(W) @ x̂`` (whole 64-row tiles;
     rows past the last whole tile use x itself)."""

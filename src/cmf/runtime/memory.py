@@ -52,6 +52,7 @@ class PackedSourceReleaser:
 
         total = 0
         for op in ops:
+            op = getattr(op, "tiled", op)  # q1t: the tiles inside its Q1Linear
             if not isinstance(op, TiledLinear) or not op.ntiles:
                 continue
             done = self._done.get(op)
