@@ -25,7 +25,7 @@ from ..quant import _fast
 from ..quant.q1 import TERNARY_LUT
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
-from ._jit import PARALLEL, SERIAL, f16_at, threads
+from ._jit import PARALLEL, SERIAL, chunk, f16_at, threads
 from .q4 import R as TILE_R
 from .q4 import TiledLinear
 from .vbit import group_sums
@@ -116,11 +116,9 @@ def overlay_products(ptr, ent, rows, X, Y, i0, i1):  # pragma: no cover - compil
 @numba.njit(**PARALLEL)
 def overlay_products_par(ptr, ent, rows, X, Y, nt):  # pragma: no cover - compiled
     """overlay_products over one contiguous chunk of ``rows`` per thread."""
-    n = rows.shape[0]
-    step = (n + nt - 1) // nt
     for j in prange(nt):
-        i0 = min(n, j * step)
-        overlay_products(ptr, ent, rows, X, Y, i0, min(n, i0 + step))
+        i0, i1 = chunk(rows.shape[0], nt, j, 1)
+        overlay_products(ptr, ent, rows, X, Y, i0, i1)
 
 
 def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ...kernels._jit import chunk
 from ...kernels.vmath import exp_f32
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
@@ -157,14 +158,11 @@ def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out, nt):  # 
     H = q.shape[0]
     group = H // keys.shape[1]
     lo, hi = _span(keys.shape[0], pos, k0, window)
-    n = hi - lo
-    step = (n + nt - 1) // nt
     mx = np.full((nt, H), -np.inf, np.float32)
     tot = np.zeros((nt, H), np.float32)
     part = np.zeros((nt, H, out.shape[1]), np.float32)
     for c in prange(nt):
-        a = min(n, c * step)
-        b = min(n, a + step)
+        a, b = chunk(hi - lo, nt, c, 1)
         if a < b:
             p = np.empty((H, b - a), np.float32)
             _scores(q, keys, group, lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx[c])
