@@ -262,3 +262,18 @@ def test_q1t_products_run_on_crumb_tiles_with_the_overlay_added(tmp_path) -> Non
         fast = prepare(t, int8_activations=True)
         assert fast.int8
         _close(fast(x), exact, 2e-2)
+
+
+def test_q1t_without_overlay_prefills_on_the_tiles(tmp_path) -> None:
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((200, 256)) * 0.05).astype(np.float32)
+    path = tmp_path / "q1t0.cmf"
+    with CmfWriter(path, header()) as wr:
+        wr.add("q1t", "q1t", w.shape, q.encode(w, "q1t", keep=0.0))
+    with cmf_open(path) as f:
+        t = f.tensor("q1t")
+        op = prepare(t)
+        assert not op.has_overlay and not op.tiled.ready.any()
+        X = rng.standard_normal((40, 256)).astype(np.float32)  # above fused_max_t: the batched path
+        _close(op(X), X.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T, 2e-6)
+        assert op.tiled.ready.all()
