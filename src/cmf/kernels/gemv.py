@@ -247,6 +247,9 @@ class MatvecGroup:
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
             self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (
                 "kind", "planes", "sc", "cw", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
+            # the arguments around x, built once (the call then only adds x, out and nt)
+            self._before = (*self._tup, self._tiles)
+            self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)
         elif self.family is not None:
             none = np.zeros(0, np.float32)
             if self.family == "q8":
@@ -276,14 +279,10 @@ class MatvecGroup:
                 rows_group(*self._tup, x, out, self.offs, nt, self.act, self.width)
             else:
                 rows_group_serial(*self._tup, x, out, self.offs, self.act, self.width)
+        elif nt > 1:
+            tiled_group(*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
         else:
-            zero = self.ops[0].zero
-            if nt > 1:
-                tiled_group(*self._tup, self._tiles, x, self._xp, self._xs, self._q8, self._xv, self._xd, zero, out,
-                            self.offs, nt, self.act, self.width)
-            else:
-                tiled_group_serial(*self._tup, self._tiles, x, self._xp, self._xs, self._q8, self._xv, self._xd, zero,
-                                   out, self.offs, self.act, self.width)
+            tiled_group_serial(*self._before, x, *self._after, out, self.offs, self.act, self.width)
         return out
 
 

@@ -58,6 +58,12 @@ class AttnStep:
             self.bias = np.concatenate(parts).astype(np.float32)[None]
         self.qn = attn.qn if attn.qn is not None else _EMPTY
         self.kn = attn.kn if attn.kn is not None else _EMPTY
+        # views of ``buf`` made once (a token step would otherwise slice and reshape per layer)
+        row = self.buf[0]
+        self.q = row[:self.nq].reshape(a.heads, a.head_dim)
+        self.k = row[self.nq:self.nq + self.nk].reshape(a.kv_heads, a.head_dim)
+        self.v = row[self.nq + self.nk:].reshape(a.kv_heads, a.v_head_dim)
+        self.k1, self.v1 = self.k[None], self.v[None]
 
     @staticmethod
     def supports(attn) -> bool:  # noqa: ANN001
@@ -66,16 +72,13 @@ class AttnStep:
 
     def __call__(self, h: np.ndarray, kv, pos: int, out: np.ndarray, nt: int) -> np.ndarray:  # noqa: ANN001
         a, attn = self.a, self.attn
-        buf = self.qkv(h, self.buf, nt)
+        self.qkv(h, self.buf, nt)
         if self.bias is not None:
-            buf += self.bias
-        row = buf[0]
-        q = row[:self.nq].reshape(a.heads, a.head_dim)
-        k = row[self.nq:self.nq + self.nk].reshape(a.kv_heads, a.head_dim)
-        v = row[self.nq + self.nk:].reshape(a.kv_heads, a.v_head_dim)
+            self.buf += self.bias
+        q = self.q
         cos, sin = rope_at(a.rope, pos)
-        qk_norm_rope(q, k, self.qn, self.kn, attn.eps, cos, sin)
-        keys, vals, k0 = kv.append(k[None], v[None])
+        qk_norm_rope(q, self.k, self.qn, self.kn, attn.eps, cos, sin)
+        keys, vals, k0 = kv.append(self.k1, self.v1)
         att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att, nt)
         if attn.head_keep is not None:
             att[~attn.head_keep] = 0
