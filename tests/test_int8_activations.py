@@ -277,3 +277,16 @@ def test_q1t_without_overlay_prefills_on_the_tiles(tmp_path) -> None:
         X = rng.standard_normal((40, 256)).astype(np.float32)  # above fused_max_t: the batched path
         _close(op(X), X.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T, 2e-6)
         assert op.tiled.ready.all()
+
+
+def test_a_group_takes_a_strided_input(model) -> None:
+    t = model.tensor("q4_tiled")
+    a, b = prepare(t), prepare(t)
+    wide = np.zeros((1, 2 * SHAPE[1]), np.float32)
+    wide[0, ::2] = _inputs()[0]
+    x = wide[:, ::2]  # every other float: not one vector load per group
+    out = np.empty((1, 2 * SHAPE[0]), np.float32)
+    MatvecGroup([a, b])(x, out, 1)
+    exact = _inputs()[0].astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T
+    _close(out[0, :SHAPE[0]], exact, 2e-6)
+    _close(out[0, SHAPE[0]:], exact, 2e-6)

@@ -279,10 +279,13 @@ class MatvecGroup:
                 rows_group(*self._tup, x, out, self.offs, nt, self.act, self.width)
             else:
                 rows_group_serial(*self._tup, x, out, self.offs, self.act, self.width)
-        elif nt > 1:
-            tiled_group(*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
         else:
-            tiled_group_serial(*self._before, x, *self._after, out, self.offs, self.act, self.width)
+            if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
+                x = np.ascontiguousarray(x)
+            if nt > 1:
+                tiled_group(*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
+            else:
+                tiled_group_serial(*self._before, x, *self._after, out, self.offs, self.act, self.width)
         return out
 
 
