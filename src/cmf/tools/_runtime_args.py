@@ -16,7 +16,8 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
     p.add_argument("model", metavar="MODEL", help="a .cmf file, any shard of a set, or a HF folder / hub id")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads for the kernels")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("-b", "--batch-size", type=int, default=None,
+                   help="prefill chunk size in tokens (default: runtime.model.DEFAULT_BATCH, 256)")
     p.add_argument("--skill", default=None, metavar="ID|none|auto",
                    help="run with a skill's replacement tensors; auto: route the prompt (recon-argmin)")
     p.add_argument("--blend", default=None, metavar="auto|ID:W,...",
