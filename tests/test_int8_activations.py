@@ -238,17 +238,21 @@ def test_exact_mode_non_finite_input_gives_nan_rows(model) -> None:
     assert np.isnan(op(x)[:192]).all()
 
 
+def _q1t_file(path, seed: int, keep: float):  # noqa: ANN001, ANN202
+    """A one-tensor q1t file (200 × 256: three whole tiles and an 8-row tail), opened."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((200, 256)) * 0.05).astype(np.float32)
+    w[5, 7] = 3.0  # outliers for the overlay (when keep > 0)
+    w[150, 200] = -2.5
+    with CmfWriter(path, header()) as wr:
+        wr.add("q1t", "q1t", w.shape, q.encode(w, "q1t", keep=keep))
+    return cmf_open(path)
+
+
 def test_q1t_products_run_on_crumb_tiles_with_the_overlay_added(tmp_path) -> None:
     from cmf.kernels import q4
 
-    rng = np.random.default_rng(8)
-    w = (rng.standard_normal((200, 256)) * 0.05).astype(np.float32)
-    w[5, 7] = 3.0  # outliers for the overlay
-    w[150, 200] = -2.5
-    path = tmp_path / "q1t.cmf"
-    with CmfWriter(path, header()) as wr:
-        wr.add("q1t", "q1t", w.shape, q.encode(w, "q1t", keep=0.01))
-    with cmf_open(path) as f:
+    with _q1t_file(tmp_path / "q1t.cmf", 8, 0.01) as f:
         t = f.tensor("q1t")
         op = prepare(t)
         assert op.tiled is not None and op.tiled.kind == q4.KIND_Q1T and op.has_overlay
@@ -266,11 +270,7 @@ def test_q1t_products_run_on_crumb_tiles_with_the_overlay_added(tmp_path) -> Non
 
 def test_q1t_without_overlay_prefills_on_the_tiles(tmp_path) -> None:
     rng = np.random.default_rng(9)
-    w = (rng.standard_normal((200, 256)) * 0.05).astype(np.float32)
-    path = tmp_path / "q1t0.cmf"
-    with CmfWriter(path, header()) as wr:
-        wr.add("q1t", "q1t", w.shape, q.encode(w, "q1t", keep=0.0))
-    with cmf_open(path) as f:
+    with _q1t_file(tmp_path / "q1t0.cmf", 9, 0.0) as f:
         t = f.tensor("q1t")
         op = prepare(t)
         assert not op.has_overlay and not op.tiled.ready.any()
