@@ -23,7 +23,7 @@ def prepare(tensor, *, reference: bool = False, int8_activations: bool = False) 
     """The fastest available LinearOp for a stored 2-D weight (``reference=True``: decode + numpy).
 
     ``int8_activations``: the 4-bit family's fused products quantize their input to int8 per
-    group of 32 (``q4.TiledLinear.use_int8_activations``); other dtypes ignore it."""
+    group of 32 (``tiled.TiledLinear.use_int8_activations``); other dtypes ignore it."""
     global _FUSED
     if not reference:
         if _FUSED is None:

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def _family(dtype: Dtype, shape: tuple[int, ...]) -> type[FusedLinear] | None:
-    from . import floats, q1, q4, q8, vbit
+    from . import floats, q1, q8, tiled, vbit
 
     if dtype == Dtype.F32:
         return floats.F32Linear
@@ -28,7 +28,7 @@ def _family(dtype: Dtype, shape: tuple[int, ...]) -> type[FusedLinear] | None:
     if dtype == Dtype.Q4_BLOCK and shape[1] % GROUP:
         return None  # groups straddle rows: the reference path decodes those few matrices
     if dtype in (Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP):
-        return q4.TiledLinear
+        return tiled.TiledLinear
     if dtype in (Dtype.VBIT, Dtype.VBIT_RO):
         return vbit.VbitLinear
     if dtype in (Dtype.Q1, Dtype.Q1S, Dtype.Q1T):

@@ -31,9 +31,10 @@ from ._jit import chunk as _chunk
 from .blas import NO_TRANS, SGEMM, TRANS, sgemm, single_threaded
 from .floats import F32Linear, HalfLinear, half_dequant
 from .q4 import R as TILE_R
-from .q4 import TiledLinear, decode_rows, tiles_dequant_t
+from .q4 import decode_rows, tiles_dequant_t
 from .q1 import Q1T, Q1Linear, overlay_rows
 from .q8 import Q8Linear, q8_dequant
+from .tiled import TiledLinear
 from .vbit import VbitLinear
 
 # Bytes of dequantized f32 rows per thread and step: half of a 2 MB L2 (the tile is still cached

@@ -25,7 +25,8 @@ from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bf16_to_f3
 from ._jit import chunk as _chunk
 from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
-from .q4 import TiledLinear, _tail_rows, tiles_run
+from .q4 import _tail_rows, tiles_run
+from .tiled import TiledLinear
 from .xprep import fill_x
 from .q8 import Q8Linear, _fold
 from .vmath import gated

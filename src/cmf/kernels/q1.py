@@ -27,7 +27,7 @@ from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
 from ._jit import PARALLEL, SERIAL, chunk, f16_at, threads
 from .q4 import R as TILE_R
-from .q4 import TiledLinear
+from .tiled import TiledLinear
 from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
@@ -159,7 +159,7 @@ class Q1Linear(FusedLinear):
                 self.ptr = np.zeros(rows + 1, np.int64)
                 self.ent = np.zeros(0, np.uint8)
         self.all_rows = np.arange(rows, dtype=np.int64)
-        # q1t decode products run on the base repacked into 64-row crumb tiles (q4.TiledLinear:
+        # q1t decode products run on the base repacked into 64-row crumb tiles (tiled.TiledLinear:
         # 10 B per 32 weights against the stored 9, the mapped pages given back once packed), with
         # the integer kernels there; the overlay is added afterwards. Prefill keeps q1_gemm.
         self.tiled = TiledLinear(tensor) if self.kind == Q1T and rows >= TILE_R else None

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 
 
-def _ranges(op) -> list[tuple[np.ndarray, int]]:  # noqa: ANN001 - a kernels.q4.TiledLinear
+def _ranges(op) -> list[tuple[np.ndarray, int]]:  # noqa: ANN001 - a kernels.tiled.TiledLinear
     """(source array, bytes per row) of each repacked per-row source of ``op``."""
     out = []
     for a in (op.src, op.scs, op.cs):
@@ -48,7 +48,8 @@ class PackedSourceReleaser:
 
     def release(self, ops) -> int:  # noqa: ANN001 - LinearOps
         """Release the source pages of tiles packed since the last call; returns bytes released."""
-        from ..kernels.q4 import R, TiledLinear
+        from ..kernels.q4 import R
+        from ..kernels.tiled import TiledLinear
 
         total = 0
         for op in ops:
