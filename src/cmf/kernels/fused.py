@@ -1,6 +1,6 @@
 """``prepare_fused(tensor)``: the fused LinearOp for a stored matrix of any dtype.
 
-One class per dtype family (``floats``, ``q8``, ``q4`` for the 4-bit and ladder formats,
+One class per dtype family (``floats``, ``q8``, ``tiled`` for the 4-bit and ladder formats,
 ``vbit``, ``q1``); each reads the payload in place through numba kernels (see their module
 docstrings for layouts and the 4-bit repack). The payload is validated here once, so a
 crafted file that passed ``open()`` cannot steer a kernel outside its bytes.
