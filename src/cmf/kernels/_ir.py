@@ -32,8 +32,9 @@ _VF = ir.VectorType(_F32, 16)
 _FM = ("contract",)  # let LLVM fuse multiply-adds; no reassociation
 
 
-def _data(context, builder, aryty, value):  # noqa: ANN001, ANN202
-    return context.make_array(aryty)(context, builder, value).data
+def _pointers(context, builder, signature, args, *which):  # noqa: ANN001, ANN202
+    """Data pointers of the array arguments at positions ``which`` of an intrinsic's call."""
+    return [context.make_array(signature.args[i])(context, builder, args[i]).data for i in which]
 
 
 def _load_f16(builder, ptr):  # noqa: ANN001, ANN202
@@ -78,9 +79,7 @@ def _make_vbit_dot(b: int):  # noqa: ANN202 - returns a numba intrinsic
         sig = types.float32(data, types.int64, types.int64, types.int64, x, xs, types.float32)
 
         def codegen(context, builder, signature, args):
-            dp = _data(context, builder, signature.args[0], args[0])
-            xp = _data(context, builder, signature.args[4], args[4])
-            sp = _data(context, builder, signature.args[5], args[5])
+            dp, xp, sp = _pointers(context, builder, signature, args, 0, 4, 5)
             pos_v, soff_v, gpr_v, lvl = args[1], args[2], args[3], args[6]
             bty = ir.VectorType(_I8, nbytes)
             vi = ir.VectorType(_I32, 16)
@@ -132,9 +131,7 @@ def q1_dot(typingctx, data, base, gpr, x, xs):  # noqa: ANN001
     sig = types.float32(data, types.int64, types.int64, x, xs)
 
     def codegen(context, builder, signature, args):
-        dp = _data(context, builder, signature.args[0], args[0])
-        xp = _data(context, builder, signature.args[3], args[3])
-        sp = _data(context, builder, signature.args[4], args[4])
+        dp, xp, sp = _pointers(context, builder, signature, args, 0, 3, 4)
         v32 = ir.VectorType(_F32, 32)
         m32 = ir.VectorType(ir.IntType(1), 32)
         zero32 = ir.Constant(v32, [0.0] * 32)
@@ -179,8 +176,7 @@ def q1t_dot(typingctx, data, base, gpr, x):  # noqa: ANN001
     pick = [1 + k // 5 for k in range(32)]  # bytes 1..7 of the 8 read from the scale's high byte
 
     def codegen(context, builder, signature, args):
-        dp = _data(context, builder, signature.args[0], args[0])
-        xp = _data(context, builder, signature.args[3], args[3])
+        dp, xp = _pointers(context, builder, signature, args, 0, 3)
         v32 = ir.VectorType(_F32, 32)
         h32 = ir.VectorType(_I16, 32)
         b16 = ir.VectorType(_I8, 16)
@@ -259,9 +255,7 @@ def _make_tile_dot_i8(width: int, pieces: int = 1):  # noqa: ANN202 - returns a 
         sig = types.void(planes, types.int64, xv, types.int64, S)
 
         def codegen(context, builder, signature, args):
-            pp = _data(context, builder, signature.args[0], args[0])
-            xp = _data(context, builder, signature.args[2], args[2])
-            sp = _data(context, builder, signature.args[4], args[4])
+            pp, xp, sp = _pointers(context, builder, signature, args, 0, 2, 4)
             b64 = ir.VectorType(_I8, 64)
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
@@ -315,8 +309,7 @@ def expand_nibbles(typingctx, src, soff, scale, out, ooff):  # noqa: ANN001
     sig = types.void(src, types.int64, types.float32, out, types.int64)
 
     def codegen(context, builder, signature, args):
-        sp = _data(context, builder, signature.args[0], args[0])
-        op = _data(context, builder, signature.args[3], args[3])
+        sp, op = _pointers(context, builder, signature, args, 0, 3)
         b16 = ir.VectorType(_I8, 16)
         v32 = ir.VectorType(_F32, 32)
         raw = _vec_load(builder, cgutils.gep(builder, sp, args[1]), b16)
@@ -346,9 +339,7 @@ def _make_quantize_group(phases: int, pieces: int):  # noqa: ANN202 - returns a 
         sig = types.void(x, types.int64, types.float32, q8, types.int64, sums)
 
         def codegen(context, builder, signature, args):
-            xp = _data(context, builder, signature.args[0], args[0])
-            qp = _data(context, builder, signature.args[3], args[3])
-            sp = _data(context, builder, signature.args[5], args[5])
+            xp, qp, sp = _pointers(context, builder, signature, args, 0, 3, 5)
             v32 = ir.VectorType(_F32, 32)
             i32v = ir.VectorType(_I32, 32)
             i8v = ir.VectorType(_I8, 32)

@@ -32,6 +32,22 @@ from .vbit import group_sums
 
 Q1, Q1S, Q1T = int(Dtype.Q1), int(Dtype.Q1S), int(Dtype.Q1T)
 
+@numba.njit(inline="always")
+def _q1t_entry(ent, e):  # pragma: no cover - compiled
+    """(column, value) of q1t overlay entry e: ``[u16 column][f16 value]``."""
+    p = 4 * e
+    return np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8), f16_at(ent, p + 2)
+
+
+@numba.njit(inline="always")
+def _q1s_entry(ent, e):  # pragma: no cover - compiled
+    """(flat index, value) of q1s overlay entry e: ``[u32 flat index][f16 value]``."""
+    p = 6 * e
+    flat = (np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8) | (np.int64(ent[p + 2]) << 16)
+            | (np.int64(ent[p + 3]) << 24))
+    return flat, f16_at(ent, p + 4)
+
+
 @numba.njit(**SERIAL)
 def q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
     """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); ``ptr``/``ent`` describe the overlay,
@@ -49,19 +65,16 @@ def q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover 
                 acc = q1_dot(tflat, r * gpr * 6, gpr, x, xs[t])
             for e in range(ptr[r], ptr[r + 1]):
                 if kind == Q1T:
-                    p = 4 * e
-                    c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
-                    acc += f16_at(ent, p + 2) * x[c]
+                    c, v = _q1t_entry(ent, e)
+                    acc += v * x[c]
                 else:  # q1s: the overlay replaces the base weight
-                    p = 6 * e
-                    flat = (np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8) | (np.int64(ent[p + 2]) << 16)
-                            | (np.int64(ent[p + 3]) << 24))
+                    flat, v = _q1s_entry(ent, e)
                     c = flat - r * n
                     tg = tiles[r, c // GROUP]
                     k = c % GROUP
                     bit = (np.int64(tg[2 + k // 8]) >> (k % 8)) & 1
                     base = f16_at(tg, 0) * np.float32(2 * bit - 1)
-                    acc += (f16_at(ent, p + 4) - base) * x[c]
+                    acc += (v - base) * x[c]
             Y[t, i] = acc
 
 
@@ -69,11 +82,9 @@ def q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1):  # pragma: no cover 
 def q1_rows_par(kind, tiles, ptr, ent, X, Y, rows, nt):  # pragma: no cover - compiled
     """q1_rows over one contiguous chunk of ``rows`` per thread (group sums computed first)."""
     xs = group_sums(X)
-    n = rows.shape[0]
-    step = (n + nt - 1) // nt
     for j in prange(nt):
-        i0 = min(n, j * step)
-        q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, min(n, i0 + step))
+        i0, i1 = chunk(rows.shape[0], nt, j, 1)
+        q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1)
 
 
 @numba.njit(**SERIAL)
@@ -89,14 +100,11 @@ def overlay_rows(kind, ptr, ent, r0, r1, cols, out):  # pragma: no cover - compi
     for r in range(r0, r1):
         for e in range(ptr[r], ptr[r + 1]):
             if kind == Q1T:
-                p = 4 * e
-                c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
-                out[r - r0, c] += f16_at(ent, p + 2)
+                c, v = _q1t_entry(ent, e)
+                out[r - r0, c] += v
             else:
-                p = 6 * e
-                flat = (np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8) | (np.int64(ent[p + 2]) << 16)
-                        | (np.int64(ent[p + 3]) << 24))
-                out[r - r0, flat - r * cols] = f16_at(ent, p + 4)
+                flat, v = _q1s_entry(ent, e)
+                out[r - r0, flat - r * cols] = v
 
 
 @numba.njit(**SERIAL)
@@ -106,9 +114,7 @@ def overlay_products(ptr, ent, rows, X, Y, i0, i1):  # pragma: no cover - compil
     for i in range(i0, i1):
         r = rows[i]
         for e in range(ptr[r], ptr[r + 1]):
-            p = 4 * e
-            c = np.int64(ent[p]) | (np.int64(ent[p + 1]) << 8)
-            v = f16_at(ent, p + 2)
+            c, v = _q1t_entry(ent, e)
             for t in range(X.shape[0]):
                 Y[t, i] += v * X[t, c]
 
@@ -193,19 +199,25 @@ class Q1Linear(FusedLinear):
         overlay_rows(self.kind, self.ptr, self.ent, r0, r1, self.in_features, out)
 
     def _matmul(self, X, Y, par):
-        self._matmul_rows(self.all_rows, X, Y, par)
+        if self.tiled is not None:
+            self.tiled._matmul(X, Y, par)
+            self._add_overlay(self.all_rows, X, Y, par)
+        else:
+            self._matmul_rows(self.all_rows, X, Y, par)
+
+    def _add_overlay(self, rows, X, Y, par):
+        """q1t on tiles: the overlay entries of ``rows`` added to the base products in Y."""
+        if not self.has_overlay:
+            return
+        if par:
+            overlay_products_par(self.ptr, self.ent, rows, X, Y, threads())
+        else:
+            overlay_products(self.ptr, self.ent, rows, X, Y, 0, rows.shape[0])
 
     def _matmul_rows(self, rows, X, Y, par):
         if self.tiled is not None:
-            if rows is self.all_rows:
-                self.tiled._matmul(X, Y, par)
-            else:
-                self.tiled._matmul_rows(rows, X, Y, par)
-            if self.has_overlay:
-                if par:
-                    overlay_products_par(self.ptr, self.ent, rows, X, Y, threads())
-                else:
-                    overlay_products(self.ptr, self.ent, rows, X, Y, 0, rows.shape[0])
+            self.tiled._matmul_rows(rows, X, Y, par)
+            self._add_overlay(rows, X, Y, par)
             return
         args = (self.kind, self.tiles, self.ptr, self.ent, X, Y, rows)
         if par:

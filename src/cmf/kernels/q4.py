@@ -36,6 +36,12 @@ from .xprep import fill_x
 R = 64  # rows per tile: four 16-lane vectors
 CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i)
 KIND_F16, KIND_Q4TP, KIND_Q2TP, KIND_Q1T = 0, 1, 2, 3  # q1t: ternary digits as crumbs t + 1
+# Per kind (indexed by it, in the kernels and in ``tiled.TiledLinear`` alike): bytes of a
+# tile-group's codes per row (16 nibbles or 8 crumbs), the code of a zero weight, and whether a
+# group's scale is stored as f16 bits (else rebuilt from its 5-bit ladder code).
+WIDTH = (16, 16, 8, 8)
+ZERO = (8.0, 8.0, 1.5, 1.0)
+F16_SCALES = (True, False, False, True)
 PIECE = np.float32(1 / 128)  # weight of each further int8 piece of x (exact-mode products)
 # Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
 # (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
@@ -54,9 +60,9 @@ def _code(cs, row, g):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _f16_scales(kind):  # pragma: no cover - compiled
-    """Whether a kind's groups carry an f16 scale (else a ladder code)."""
-    return kind == KIND_F16 or kind == KIND_Q1T
+def _le16(a, row, g, k):  # pragma: no cover - compiled
+    """The little-endian uint16 at bytes k, k + 1 of group g of ``row`` (an f16 scale's bits)."""
+    return np.uint16(a[row, g, k]) | (np.uint16(a[row, g, k + 1]) << np.uint16(8))
 
 
 @numba.njit(inline="always")
@@ -75,7 +81,7 @@ def _pack_tile_q1t(t, src, planes, sc):  # pragma: no cover - compiled
     for i in range(R):
         row = t * R + i
         for g in range(gpr):
-            sc[t, g, i] = np.uint16(src[row, g, 0]) | (np.uint16(src[row, g, 1]) << np.uint16(8))
+            sc[t, g, i] = _le16(src, row, g, 0)
             for k in range(8):
                 v = 0
                 for q in range(4):
@@ -103,7 +109,7 @@ def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - com
         for i in range(R):
             row = t * R + i
             for g in range(gpr):
-                sc[t, g, i] = np.uint16(scs[row, g, 0]) | (np.uint16(scs[row, g, 1]) << np.uint16(8))
+                sc[t, g, i] = _le16(scs, row, g, 0)
         return
     codes = np.empty(R, np.int64)
     for g in range(gpr):
@@ -155,7 +161,7 @@ def _powers(t, params, exp2tab, t0, pw):  # pragma: no cover - compiled
 @numba.njit(inline="always")
 def _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s):  # pragma: no cover - compiled
     """s[i] = the scale of group g of row t·R + i (f16 bits, or the ladder rung of its code)."""
-    if _f16_scales(kind):
+    if F16_SCALES[kind]:
         for i in range(R):
             s[i] = f16_to_f32(sc[t, g, i])
     else:
@@ -268,7 +274,7 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
         if ready[t] == 0:
             _pack_tile(t, kind, src, scs, cs, planes, sc, cw)
             ready[t] = 1
-        if not _f16_scales(kind):
+        if not F16_SCALES[kind]:
             _powers(t, params, exp2tab, t0, pw)
         for ti in range(xs.shape[0]):
             if i8:
@@ -296,25 +302,15 @@ def _x_parts(X, kind, pieces):  # pragma: no cover - compiled
     x as int8 pieces (``quantize_x``; then xp is empty)."""
     T, n = X.shape
     gpr = n // GROUP
-    phases = 2 if kind == KIND_F16 or kind == KIND_Q4TP else 4
+    phases = GROUP // WIDTH[kind]
     i8 = pieces > 0
     K = max(pieces, 1)
     xs = np.empty((T, gpr * K), np.float32)
     xd = np.empty((T if i8 else 0, gpr), np.float32)
     q8 = np.empty((T if i8 else 0, gpr, K, GROUP // (4 * phases), phases, 4), np.int8)
     xp = np.empty((0 if i8 else T, phases, gpr, GROUP // phases), np.float32)
-    fill_x(X, xp, xs, q8, xd, _zero(kind))
+    fill_x(X, xp, xs, q8, xd, np.float32(ZERO[kind]))
     return xp, xs, q8.reshape(q8.shape[0], gpr * K * GROUP).view(np.int32), xd
-
-
-@numba.njit(inline="always")
-def _zero(kind):  # pragma: no cover - compiled
-    """The code of a zero weight: 8 for nibbles, 1.5 for q2tp crumbs, 1 for q1t (t + 1)."""
-    if kind == KIND_Q2TP:
-        return np.float32(1.5)
-    if kind == KIND_Q1T:
-        return np.float32(1)
-    return np.float32(8)
 
 
 @numba.njit(**SERIAL)
@@ -363,11 +359,11 @@ def decode_rows(rows, kind, src, scs, cs, params, exp2tab, out):  # pragma: no c
     if kind == KIND_Q1T:
         for i in range(rows.shape[0]):
             for g in range(gpr):
-                s = f16_to_f32(np.uint16(src[rows[i], g, 0]) | (np.uint16(src[rows[i], g, 1]) << np.uint16(8)))
+                s = f16_to_f32(_le16(src, rows[i], g, 0))
                 for w in range(GROUP):
                     out[i, g * GROUP + w] = np.float32(_q1t_code(src, rows[i], g, w) - 1) * s
         return
-    width = 8 if kind == KIND_Q2TP else 16
+    width = WIDTH[kind]
     off = src.shape[2] - width
     per = GROUP // width  # weights per byte: 2 (nibbles) or 4 (crumbs)
     lad = np.empty(33, np.float32)
@@ -381,7 +377,7 @@ def decode_rows(rows, kind, src, scs, cs, params, exp2tab, out):  # pragma: no c
                 lad[c] = lad[c - 1] * ratio
         for g in range(gpr):
             if kind == KIND_F16:
-                s = f16_to_f32(np.uint16(scs[row, g, 0]) | (np.uint16(scs[row, g, 1]) << np.uint16(8)))
+                s = f16_to_f32(_le16(scs, row, g, 0))
             elif kind == KIND_Q4TP:
                 s = lad[_code(cs, row, g) + 1]
             else:
@@ -406,12 +402,12 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
     s = np.empty(R, np.float32)
     base = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
-    zero = _zero(kind)
+    zero = np.float32(ZERO[kind])
     for t in range(t0, t1):
         if ready[t] == 0:
             _pack_tile(t, kind, src, scs, cs, planes, sc, cw)
             ready[t] = 1
-        if not _f16_scales(kind):
+        if not F16_SCALES[kind]:
             _powers(t, params, exp2tab, base, pw)
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]

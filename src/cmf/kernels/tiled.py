@@ -13,8 +13,8 @@ from ..format.constants import GROUP, Dtype
 from . import _base
 from ._base import FusedLinear, TILE_BYTES
 from ._jit import huge_zeros, scratch, threads
-from .q4 import (CODE_BYTES, EXACT_PIECES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, R, decode_rows, matvec, matvec_par,
-                 tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
+from .q4 import (CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH, ZERO, R,
+                 decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
 from .xprep import fill_x
 
 
@@ -70,16 +70,16 @@ class TiledLinear(FusedLinear):
             self.params = data[a:a + 4 * rows].view("<u2").reshape(rows, 2)
             self.cs = data[a + 4 * rows:].reshape(rows, (5 * gpr + 7) // 8)
             self.exp2tab = _exp2_table()
-        self.width = 16 if self.kind in (KIND_F16, KIND_Q4TP) else 8
+        self.width = WIDTH[self.kind]
         self.int8 = False  # int8 activations in the fused products (use_int8_activations)
         self.pieces = EXACT_PIECES  # int8 pieces x is split into for the fused products (0: float32)
         self.phases = GROUP // self.width
-        self.zero = np.float32({KIND_Q2TP: 1.5, KIND_Q1T: 1.0}.get(self.kind, 8.0))
+        self.zero = np.float32(ZERO[self.kind])
         self.ntiles = rows // R
         nt = self.ntiles
         # zero pages, in huge pages (_jit.huge_zeros): nothing is resident until a tile is packed
         self.planes = huge_zeros((nt, gpr, self.width, R), np.uint8)
-        f16 = self.kind in (KIND_F16, KIND_Q1T)
+        f16 = F16_SCALES[self.kind]
         self.sc = huge_zeros((nt, gpr, R) if f16 else (0, 0, 0), np.uint16)
         self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
         self.ready = np.zeros(nt, np.uint8)

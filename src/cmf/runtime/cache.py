@@ -29,12 +29,7 @@ class LayerKV:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Add T new keys/values; returns (keys, values, position of keys[0]) for attention."""
-        t, n = k.shape[0], self.n
-        if self.window is None and n + t <= self.k.shape[0]:  # a decode step: no growth, no trim
-            self.k[n:n + t] = k
-            self.v[n:n + t] = v
-            self.n = n = n + t
-            return self.k[:n], self.v[:n], self.start
+        t = k.shape[0]
         if self.n + t > self.k.shape[0]:
             cap = max(self.k.shape[0] * 2, self.n + t)
             for name in ("k", "v"):

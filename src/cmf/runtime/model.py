@@ -482,9 +482,10 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
          int8_activations: bool | None = None) -> Model:
     """Open a .cmf (or any shard of a set) and build a runnable Model.
 
-    ``int8_activations``: decode the 4-bit family (q4_block, q4_tiled, q4tp, q2tp) with its input
-    vectors quantized to int8 per group of 32, as llama.cpp does for Q4_0: about twice the
-    decode speed on CPUs with VNNI, at ~1e-2 relative error per product (prefill stays exact).
+    ``int8_activations``: decode the 4-bit family (q4_block, q4_tiled, q4tp, q2tp) and q1t with
+    input vectors quantized to one int8 piece per group of 32, as llama.cpp does for Q4_0,
+    instead of exact mode's three: ~1.1× decode on CPUs with VNNI, at ~1e-2 relative error per
+    product (prefill stays exact).
     Unset, it comes from ``CMF_INT8_ACT`` (1/true/on); off by default, so outputs match the
     f32-decoded reference.
 

@@ -71,7 +71,6 @@ class Weights:
         self._index = skill_index(file)
         self._vectors: dict[str, np.ndarray] = {}
         self._linears: dict[str, object] = {}
-        self._readers: dict[str, object] = {}  # prepared ops for row lookups (rows)
         self._dense: dict[str, np.ndarray] = {}
         self._mixed: dict[str, tuple[tuple[str, float], ...]] = {}
         self.configure(skill, blend)
@@ -121,7 +120,6 @@ class Weights:
         for n in changed:
             self._vectors.pop(n, None)
             self._linears.pop(n, None)
-            self._readers.pop(n, None)
             self._dense.pop(n, None)
         if self._mixed:
             log.debug("blend %s: %d working tensors materialized in f32 on use", self.blend, len(self._mixed))
@@ -189,21 +187,21 @@ class Weights:
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Decode only the rows ``ids`` of a matrix (embedding lookups)."""
         ids = np.asarray(ids, dtype=np.int64)
-        op = self._readers.get(name)
-        if op is not None:
+        # A decode step looks up one row: through the matrix's LinearOp (prepared once, shared
+        # with a tied lm_head) the payload is not re-validated per token (~40 µs of Python for a
+        # q4_tiled row through the codec).
+        op = self._linears.get(name)
+        if op is None and name not in self._mixed:
+            t = self.qtensor(name)
+            if t.dtype == 0:  # f32: a zero-copy gather
+                return t.numpy().view("<f4").reshape(t.shape)[ids].astype(np.float32)
+            if len(t.shape) == 2:
+                op = self.linear(name)
+        if hasattr(op, "dequant_rows"):
             return op.dequant_rows(ids.reshape(-1)).reshape(ids.shape + (op.in_features,))
         if name in self._mixed:
             return self.dense(name)[ids]
         t = self.qtensor(name)
-        if t.dtype == 0:  # f32: a zero-copy gather
-            return t.numpy().view("<f4").reshape(t.shape)[ids].astype(np.float32)
-        if len(t.shape) == 2 and not self.reference:
-            # a decode step looks up one row: through an op prepared once, the payload is not
-            # re-validated per token (~40 µs of Python for a q4_tiled row)
-            op = kernels.prepare(t)
-            if hasattr(op, "dequant_rows"):
-                self._readers[name] = op
-                return op.dequant_rows(ids.reshape(-1)).reshape(ids.shape + t.shape[1:])
         from .. import quant
 
         return quant.decode_rows(t.numpy(), t.dtype, t.shape, ids)
