@@ -118,6 +118,28 @@ def hi_nibble(typingctx, b):  # noqa: ANN001
 
 
 @intrinsic
+def word_at(typingctx, a, off):  # noqa: ANN001
+    """The little-endian uint32 at byte ``off`` of a uint8 array (the repacked tiles' words: a
+    loop over consecutive words is one vector load per 16 of them)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(cgutils.gep(builder, data, args[1]), ir.IntType(32).as_pointer())
+        return builder.load(ptr, align=1)
+    return types.uint32(a, types.int64), codegen
+
+
+@intrinsic
+def field32(typingctx, word, shift, mask):  # noqa: ANN001
+    """(word >> shift) & mask of a uint32 as float32, in 32-bit lanes (numba would widen the
+    shift to int64, which keeps LLVM from vectorizing the loop around it)."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = builder.lshr(args[0], builder.trunc(args[1], i32))
+        return builder.uitofp(builder.and_(v, builder.trunc(args[2], i32)), ir.FloatType())
+    return types.float32(types.uint32, types.int64, types.int64), codegen
+
+
+@intrinsic
 def crumb(typingctx, b, j):  # noqa: ANN001
     """2-bit field ``j`` (bits 2j..2j+1, j in 0..3) of a byte as float32 (0..3), in 8-bit lanes."""
     def codegen(context, builder, signature, args):
@@ -145,44 +167,64 @@ def int8_f32(typingctx, b):  # noqa: ANN001
 
 
 @intrinsic
-def plane_scales(typingctx, planes, base, t0, powers, s, dead31):  # noqa: ANN001
-    """s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i) for 64 rows, from bit-sliced 5-bit codes.
+def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noqa: ANN001
+    """s[0:64] = the scales of one tile-group's 64 rows.
 
-    ``planes[base + 8p : base + 8p + 8]`` is bit p of the 64 rows' codes (little-endian: bit i
-    = row i). Each 16-row slice of a plane is reinterpreted as a 16-lane mask that selects, per
-    lane, the power or 1 (AVX-512: one mask load and one masked blend per plane): no per-row
-    gather. With ``dead31`` nonzero, rows whose code is 31 (all bits set) get an exact 0.
+    ``mode`` 0: f16 bits at ``sc[soff : soff + 64]``. Otherwise from bit-sliced 5-bit codes:
+    s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where ``planes[base + 8p : base + 8p + 8]`` is bit
+    p of the 64 rows' codes (little-endian: bit i = row i). Each 16-row slice of a plane is
+    reinterpreted as a 16-lane mask that selects, per lane, the power or 1 (AVX-512: one mask
+    load and one masked blend per plane): no per-row gather. ``mode`` 2: rows whose code is 31
+    (all bits set) get an exact 0.
+
+    An intrinsic rather than an inlined numba helper: a helper taking these arrays costs a
+    reference-count call per array and call, which inside the group loop of a tile was as much
+    as the group's integer work.
     """
     def codegen(context, builder, signature, args):
         i1, i16, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(64), ir.FloatType()
-        pl = context.make_array(signature.args[0])(context, builder, args[0]).data
-        t0p = context.make_array(signature.args[2])(context, builder, args[2]).data
-        pw = context.make_array(signature.args[3])(context, builder, args[3]).data
-        sp = context.make_array(signature.args[4])(context, builder, args[4]).data
+        scp = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pl = context.make_array(signature.args[2])(context, builder, args[2]).data
+        t0p = context.make_array(signature.args[4])(context, builder, args[4]).data
+        pw = context.make_array(signature.args[5])(context, builder, args[5]).data
+        sp = context.make_array(signature.args[6])(context, builder, args[6]).data
         vf = ir.VectorType(f32, 16)
         vm = ir.VectorType(i1, 16)
         ones = ir.Constant(vf, [1.0] * 16)
         zeros = ir.Constant(vf, [0.0] * 16)
-        kill = builder.icmp_signed("!=", args[5], ir.Constant(i64, 0))
-        for c in range(4):
-            def vload(ptr, off):
-                p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
-                return builder.load(p, align=4)
-            v = vload(t0p, 16 * c)
-            every = ir.Constant(i16, 0xFFFF)
-            for p in range(5):
-                off = builder.add(args[1], ir.Constant(i64, 8 * p + 2 * c))
-                ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
-                bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
-                every = builder.and_(every, bits)
-                mask = builder.bitcast(bits, vm)
-                v = builder.fmul(v, builder.select(mask, vload(pw, 64 * p + 16 * c), ones))
-            dead = builder.bitcast(builder.select(kill, every, ir.Constant(i16, 0)), vm)
-            v = builder.select(dead, zeros, v)
+        mode = args[7]
+
+        def store(c, v):
             dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 16 * c)), vf.as_pointer())
             builder.store(v, dst, align=4)
+
+        def vload(ptr, off):
+            p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
+            return builder.load(p, align=4)
+
+        with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 0))) as (f16, ladder):
+            with f16:
+                vh = ir.VectorType(i16, 16)
+                for c in range(4):
+                    at = builder.add(args[1], ir.Constant(i64, 16 * c))
+                    raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
+                    store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
+            with ladder:
+                kill = builder.icmp_signed("==", mode, ir.Constant(i64, 2))
+                for c in range(4):
+                    v = vload(t0p, 16 * c)
+                    every = ir.Constant(i16, 0xFFFF)
+                    for p in range(5):
+                        off = builder.add(args[3], ir.Constant(i64, 8 * p + 2 * c))
+                        ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
+                        bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
+                        every = builder.and_(every, bits)
+                        mask = builder.bitcast(bits, vm)
+                        v = builder.fmul(v, builder.select(mask, vload(pw, 64 * p + 16 * c), ones))
+                    dead = builder.bitcast(builder.select(kill, every, ir.Constant(i16, 0)), vm)
+                    store(c, builder.select(dead, zeros, v))
         return context.get_dummy_value()
-    return types.void(planes, types.int64, t0, powers, s, types.int64), codegen
+    return types.void(sc, types.int64, planes, types.int64, t0, powers, s, types.int64), codegen
 
 
 # ---------------------------------------------------------------------------------------------

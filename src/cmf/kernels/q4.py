@@ -3,16 +3,21 @@
 Why a repack: in the stored layouts the 32 weights of a group sit in 16 (or 8) consecutive
 bytes of one row, so a per-row kernel needs a horizontal sum per group and LLVM vectorizes it
 badly (measured ~3.4 GB/s). Here the bytes are regrouped once into tiles of ``R = 64`` rows:
-``planes[tile, group, byte, row]``, so the inner loop runs across 64 rows with contiguous
-loads and no reductions (each lane owns one row), and a group's per-row scale multiplies 64
-partial sums at once.
+``planes[tile, group, word, row, byte]`` — a row's group split into 4-byte words (4 of them for
+nibbles, 2 for crumbs), and for each word the 64 rows' words one after another. So 16 rows'
+words are one 64-byte load with a row per 32-bit lane: the integer kernels feed them to
+``vpdpbusd`` as they are (``_ir.tile_dot_i8*``) and the float kernels extract codes from them
+with shifts (``_jit.word_at`` / ``field32``); no reductions (each lane owns one row), and a
+group's per-row scale multiplies 64 partial sums at once. (The layout before this one,
+``[tile, group, byte, row]``, needed a byte gather of four shuffles per 16 rows and word for
+the integer kernels: 1.5–1.6× slower from cache.)
 
 Memory: the repacked copy is never larger than the payload. Planes keep their bytes (16 per
 group for q4, 8 for q2tp); q4_block/q4_tiled keep the f16 scale bits (2 bytes per group);
 q4tp/q2tp keep their 5-bit codes as five bit planes per 64 rows (40 bytes per tile-group, the
 stored density) and read the row params from the mapped file: per tile, each row's 2^lo and
 ratio^(2^p) are expanded into a small scratch, and a scale is built by multiplying in the powers
-whose code bit is set (``_jit.plane_scales``: lane masks, no per-row gather). Rows past the last
+whose code bit is set (``_jit.group_scales``: lane masks, no per-row gather). Rows past the last
 whole tile (``rows % 64``) are not repacked; they are decoded from the mapped bytes on every
 call. Tiles are packed lazily, the first time a product needs them, so rows that a mask never
 selects are never read.
@@ -30,7 +35,8 @@ from numba import prange
 
 from ..format.constants import GROUP
 from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
-from ._jit import PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, hi_nibble, lo_nibble, plane_scales
+from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, field32, group_scales, hi_nibble,
+                   lo_nibble, word_at)
 from .xprep import fill_x
 
 R = 64  # rows per tile: four 16-lane vectors
@@ -42,7 +48,7 @@ KIND_F16, KIND_Q4TP, KIND_Q2TP, KIND_Q1T = 0, 1, 2, 3  # q1t: ternary digits as 
 WIDTH = (16, 16, 8, 8)
 ZERO = (8.0, 8.0, 1.5, 1.0)
 F16_SCALES = (True, False, False, True)
-PIECE = np.float32(1 / 128)  # weight of each further int8 piece of x (exact-mode products)
+FINE = np.float32(1 / 128 ** 2)  # unit of the three pieces' combined integer sum
 # Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
 # (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
 EXACT_PIECES = 3 if HW_VNNI else 0
@@ -86,7 +92,7 @@ def _pack_tile_q1t(t, src, planes, sc):  # pragma: no cover - compiled
                 v = 0
                 for q in range(4):
                     v |= _q1t_code(src, row, g, 4 * k + q) << (2 * q)
-                planes[t, g, k, i] = np.uint8(v)
+                planes[t, g, k >> 2, i, k & 3] = np.uint8(v)
 
 
 @numba.njit(**SERIAL)
@@ -98,13 +104,13 @@ def _pack_tile(t, kind, src, scs, cs, planes, sc, cw):  # pragma: no cover - com
         _pack_tile_q1t(t, src, planes, sc)
         return
     gpr = planes.shape[1]
-    width = planes.shape[2]
+    width = 4 * planes.shape[2]
     off = src.shape[2] - width  # q4_tiled records: [f16 scale][16 B], the nibbles at byte 2
     for i in range(R):
         row = t * R + i
         for g in range(gpr):
             for k in range(width):
-                planes[t, g, k, i] = src[row, g, off + k]
+                planes[t, g, k >> 2, i, k & 3] = src[row, g, off + k]
     if kind == KIND_F16:
         for i in range(R):
             row = t * R + i
@@ -158,14 +164,8 @@ def _powers(t, params, exp2tab, t0, pw):  # pragma: no cover - compiled
         pw[4 * R + i] = v  # r^16
 
 
-@numba.njit(inline="always")
-def _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s):  # pragma: no cover - compiled
-    """s[i] = the scale of group g of row t·R + i (f16 bits, or the ladder rung of its code)."""
-    if F16_SCALES[kind]:
-        for i in range(R):
-            s[i] = f16_to_f32(sc[t, g, i])
-    else:
-        plane_scales(cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, kind == KIND_Q2TP)
+# group_scales' mode per kind: f16 bits, the ladder, the ladder with code 31 as a dead group
+SCALE_MODE = (0, 1, 2, 0)
 
 
 @numba.njit(**SERIAL_ORDERED)
@@ -180,27 +180,30 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
     positive inputs, too close to the 1e-5 contract: not used.
     """
     gpr = planes.shape[1]
+    words = planes.shape[2]
+    mode = SCALE_MODE[kind]
     acc[:] = 0
     for g in range(gpr):
-        _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
+        group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
         z = xs[ti, g]
-        if planes.shape[2] == 8:  # crumbs: q2tp, q1t
+        tg = (t * gpr + g) * words * 4 * R  # byte offset of the tile-group; word w of row i at + 4(R·w + i)
+        if words == 2:  # crumbs: q2tp, q1t
             for i in range(R):
                 a = np.float32(0)
                 b = np.float32(0)
                 c = np.float32(0)
                 d = np.float32(0)
                 for k in range(0, 8, 2):
-                    w0 = planes[t, g, k, i]
-                    w1 = planes[t, g, k + 1, i]
-                    a += crumb(w0, 0) * xp[ti, 0, g, k]
-                    a += crumb(w0, 1) * xp[ti, 1, g, k]
-                    b += crumb(w0, 2) * xp[ti, 2, g, k]
-                    b += crumb(w0, 3) * xp[ti, 3, g, k]
-                    c += crumb(w1, 0) * xp[ti, 0, g, k + 1]
-                    c += crumb(w1, 1) * xp[ti, 1, g, k + 1]
-                    d += crumb(w1, 2) * xp[ti, 2, g, k + 1]
-                    d += crumb(w1, 3) * xp[ti, 3, g, k + 1]
+                    wd = word_at(planes, tg + 4 * (R * (k >> 2) + i))
+                    sh = 8 * (k & 3)
+                    a += field32(wd, sh, 3) * xp[ti, 0, g, k]
+                    a += field32(wd, sh + 2, 3) * xp[ti, 1, g, k]
+                    b += field32(wd, sh + 4, 3) * xp[ti, 2, g, k]
+                    b += field32(wd, sh + 6, 3) * xp[ti, 3, g, k]
+                    c += field32(wd, sh + 8, 3) * xp[ti, 0, g, k + 1]
+                    c += field32(wd, sh + 10, 3) * xp[ti, 1, g, k + 1]
+                    d += field32(wd, sh + 12, 3) * xp[ti, 2, g, k + 1]
+                    d += field32(wd, sh + 14, 3) * xp[ti, 3, g, k + 1]
                 acc[i] += ((a + b) + (c + d) - z) * s[i]
         else:
             for i in range(R):
@@ -209,12 +212,12 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
                 c = np.float32(0)
                 d = np.float32(0)
                 for k in range(0, 16, 2):
-                    w0 = planes[t, g, k, i]
-                    w1 = planes[t, g, k + 1, i]
-                    a += lo_nibble(w0) * xp[ti, 0, g, k]
-                    b += hi_nibble(w0) * xp[ti, 1, g, k]
-                    c += lo_nibble(w1) * xp[ti, 0, g, k + 1]
-                    d += hi_nibble(w1) * xp[ti, 1, g, k + 1]
+                    wd = word_at(planes, tg + 4 * (R * (k >> 2) + i))
+                    sh = 8 * (k & 3)
+                    a += field32(wd, sh, 15) * xp[ti, 0, g, k]
+                    b += field32(wd, sh + 4, 15) * xp[ti, 1, g, k]
+                    c += field32(wd, sh + 8, 15) * xp[ti, 0, g, k + 1]
+                    d += field32(wd, sh + 12, 15) * xp[ti, 1, g, k + 1]
                 acc[i] += ((a + b) + (c + d) - z) * s[i]
 
 
@@ -222,33 +225,37 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
 def _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xz):  # pragma: no cover - compiled
     """acc[i] = row (t·R + i) · X[ti] with X quantized to int8 per group (``quantize_x``): the
     codes times the int8 activations are summed exactly in int32 (``_ir.tile_dot_i8_*``), then
-    acc[i] += s[i]·d·(S[i] − z·Σxq) per group. With x in three pieces (exact mode) the piece
-    sums S_j − z_j (exact integers) are combined as d·(T_0 + (T_1 + T_2/128)/128)."""
+    acc[i] += s[i]·d·(S[i] − z·Σxq) per group. With x in three pieces (exact mode) S is the
+    pieces' combined integer sum S_0·128² + S_1·128 + S_2 and the zero-point sums are combined
+    the same way (in float64, rounded once), so a group adds s[i]·d·(S − z)/128²."""
     gpr = planes.shape[1]
-    width = planes.shape[2]
+    width = 4 * planes.shape[2]
     per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
     three = xz.shape[1] == 3 * gpr
+    # offsets into the whole (C-contiguous) xv: no array view is made inside the group loop
+    xrow = ti * xv.shape[1]
+    mode = SCALE_MODE[kind]
     acc[:] = 0
     for g in range(gpr):
-        _group_scales(t, g, gpr, kind, sc, cw, t0, pw, s)
+        group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
         base = (t * gpr + g) * width * R
         d = xd[ti, g]
         if three:
             if width == 16:
-                tile_dot_i8x3_nibbles(planes, base, xv[ti], g * per, S)
+                tile_dot_i8x3_nibbles(planes, base, xv, xrow + g * per, S)
             else:
-                tile_dot_i8x3_crumbs(planes, base, xv[ti], g * per, S)
-            z0 = xz[ti, 3 * g]
-            z1 = xz[ti, 3 * g + 1]
-            z2 = xz[ti, 3 * g + 2]
+                tile_dot_i8x3_crumbs(planes, base, xv, xrow + g * per, S)
+            # the zero-point sums in the same units as the combined integer sum
+            zc = np.float32(np.float64(xz[ti, 3 * g]) * 16384.0 + np.float64(xz[ti, 3 * g + 1]) * 128.0
+                            + np.float64(xz[ti, 3 * g + 2]))
+            dc = d * FINE
             for i in range(R):
-                fine = (np.float32(S[R + i]) - z1) + (np.float32(S[2 * R + i]) - z2) * PIECE
-                acc[i] += s[i] * (d * ((np.float32(S[i]) - z0) + fine * PIECE))
+                acc[i] += s[i] * (dc * (np.float32(S[i]) - zc))
         else:
             if width == 16:
-                tile_dot_i8_nibbles(planes, base, xv[ti], g * per, S)
+                tile_dot_i8_nibbles(planes, base, xv, xrow + g * per, S)
             else:
-                tile_dot_i8_crumbs(planes, base, xv[ti], g * per, S)
+                tile_dot_i8_crumbs(planes, base, xv, xrow + g * per, S)
             z = xz[ti, g]
             for i in range(R):
                 acc[i] += s[i] * (d * (np.float32(S[i]) - z))
@@ -398,11 +405,12 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
     """out[c, (t - t0)·R + i] = W[t·R + i, c] for tiles [t0, t1): transposed, so both the
     plane loads and the stores run contiguously across the 64 rows."""  # pragma: no cover
     gpr = planes.shape[1]
-    width = planes.shape[2]
+    words = planes.shape[2]
     s = np.empty(R, np.float32)
     base = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
     zero = np.float32(ZERO[kind])
+    mode = SCALE_MODE[kind]
     for t in range(t0, t1):
         if ready[t] == 0:
             _pack_tile(t, kind, src, scs, cs, planes, sc, cw)
@@ -412,20 +420,21 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
         for g in range(gpr):
-            _group_scales(t, g, gpr, kind, sc, cw, base, pw, s)
-            for k in range(width):
-                pk = planes[t, g, k]
-                if width == 16:
-                    lo = ot[g * GROUP + 2 * k]
-                    hi = ot[g * GROUP + 2 * k + 1]
+            group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, base, pw, s, mode)
+            tg = (t * gpr + g) * words * 4 * R
+            for w in range(words):
+                if words == 4:
+                    c0 = g * GROUP + 8 * w
                     for i in range(R):
-                        lo[i] = (lo_nibble(pk[i]) - np.float32(8)) * s[i]
-                        hi[i] = (hi_nibble(pk[i]) - np.float32(8)) * s[i]
+                        wd = word_at(planes, tg + 4 * (R * w + i))
+                        for h in range(8):
+                            ot[c0 + h, i] = (field32(wd, 4 * h, 15) - np.float32(8)) * s[i]
                 else:
-                    for q in range(4):
-                        dst = ot[g * GROUP + 4 * k + q]
-                        for i in range(R):
-                            dst[i] = (crumb(pk[i], q) - zero) * s[i]
+                    c0 = g * GROUP + 16 * w
+                    for i in range(R):
+                        wd = word_at(planes, tg + 4 * (R * w + i))
+                        for h in range(16):
+                            ot[c0 + h, i] = (field32(wd, 2 * h, 3) - zero) * s[i]
 
 
 @numba.njit(**PARALLEL_ORDERED)

@@ -78,7 +78,7 @@ class TiledLinear(FusedLinear):
         self.ntiles = rows // R
         nt = self.ntiles
         # zero pages, in huge pages (_jit.huge_zeros): nothing is resident until a tile is packed
-        self.planes = huge_zeros((nt, gpr, self.width, R), np.uint8)
+        self.planes = huge_zeros((nt, gpr, self.width // 4, R, 4), np.uint8)
         f16 = F16_SCALES[self.kind]
         self.sc = huge_zeros((nt, gpr, R) if f16 else (0, 0, 0), np.uint16)
         self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
