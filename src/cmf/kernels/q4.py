@@ -222,46 +222,6 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xz):  # pragma: no cover - compiled
-    """acc[i] = row (t·R + i) · X[ti] with X quantized to int8 per group (``quantize_x``): the
-    codes times the int8 activations are summed exactly in int32 (``_ir.tile_dot_i8_*``), then
-    acc[i] += s[i]·d·(S[i] − z·Σxq) per group. With x in three pieces (exact mode) S is the
-    pieces' combined integer sum S_0·128² + S_1·128 + S_2 and the zero-point sums are combined
-    the same way (in float64, rounded once), so a group adds s[i]·d·(S − z)/128²."""
-    gpr = planes.shape[1]
-    width = 4 * planes.shape[2]
-    per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
-    three = xz.shape[1] == 3 * gpr
-    # offsets into the whole (C-contiguous) xv: no array view is made inside the group loop
-    xrow = ti * xv.shape[1]
-    mode = SCALE_MODE[kind]
-    acc[:] = 0
-    for g in range(gpr):
-        group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
-        base = (t * gpr + g) * width * R
-        d = xd[ti, g]
-        if three:
-            if width == 16:
-                tile_dot_i8x3_nibbles(planes, base, xv, xrow + g * per, S)
-            else:
-                tile_dot_i8x3_crumbs(planes, base, xv, xrow + g * per, S)
-            # the zero-point sums in the same units as the combined integer sum
-            zc = np.float32(np.float64(xz[ti, 3 * g]) * 16384.0 + np.float64(xz[ti, 3 * g + 1]) * 128.0
-                            + np.float64(xz[ti, 3 * g + 2]))
-            dc = d * FINE
-            for i in range(R):
-                acc[i] += s[i] * (dc * (np.float32(S[i]) - zc))
-        else:
-            if width == 16:
-                tile_dot_i8_nibbles(planes, base, xv, xrow + g * per, S)
-            else:
-                tile_dot_i8_crumbs(planes, base, xv, xrow + g * per, S)
-            z = xz[ti, g]
-            for i in range(R):
-                acc[i] += s[i] * (d * (np.float32(S[i]) - z))
-
-
-@numba.njit(**SERIAL_ORDERED)
 def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y):
     """Y[ti, j·R + i] = row (tiles[j]·R + i) · X[ti] for tile positions j in [j0, j1).
 
@@ -271,11 +231,16 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
     zero point times Σ of the group's int8 values.
     """  # pragma: no cover - compiled
     i8 = xv.shape[0] > 0
-    S = np.empty(3 * R, np.int32)
+    S = np.empty(R, np.int32)
     acc = np.empty(R, np.float32)
     s = np.empty(R, np.float32)
     t0 = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
+    gpr = planes.shape[1]
+    width = 4 * planes.shape[2]
+    per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
+    three = xs.shape[1] == 3 * gpr
+    mode = SCALE_MODE[kind]
     for j in range(j0, j1):
         t = tiles[j]
         if ready[t] == 0:
@@ -284,10 +249,41 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
         if not F16_SCALES[kind]:
             _powers(t, params, exp2tab, t0, pw)
         for ti in range(xs.shape[0]):
-            if i8:
-                _tile_i8(t, ti, kind, planes, sc, cw, t0, pw, s, acc, S, xv, xd, xs)
-            else:
+            if not i8:
                 _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs)
+            else:
+                # The integer tile product, written out here rather than in a helper: a numba
+                # function taking arrays costs a reference-count call per array and call, which
+                # per tile (two threads touching the same counters) was ~10% of the product.
+                # Codes times int8 activations are summed exactly in int32
+                # (``_ir.tile_dot_i8_*``), then acc[i] += s[i]·d·(S[i] − z·Σxq) per group. With x
+                # in three pieces (exact mode) S is the pieces' combined integer sum
+                # S_0·128² + S_1·128 + S_2 and the zero-point sums are combined the same way (in
+                # float64, rounded once), so a group adds s[i]·d·(S − z)/128².
+                xrow = ti * xv.shape[1]  # offsets into the whole (C-contiguous) xv
+                acc[:] = 0
+                for g in range(gpr):
+                    group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
+                    base = (t * gpr + g) * width * R
+                    d = xd[ti, g]
+                    if three:
+                        if width == 16:
+                            tile_dot_i8x3_nibbles(planes, base, xv, xrow + g * per, S)
+                        else:
+                            tile_dot_i8x3_crumbs(planes, base, xv, xrow + g * per, S)
+                        zc = np.float32(np.float64(xs[ti, 3 * g]) * 16384.0 + np.float64(xs[ti, 3 * g + 1]) * 128.0
+                                        + np.float64(xs[ti, 3 * g + 2]))
+                        dc = d * FINE
+                        for i in range(R):
+                            acc[i] += s[i] * (dc * (np.float32(S[i]) - zc))
+                    else:
+                        if width == 16:
+                            tile_dot_i8_nibbles(planes, base, xv, xrow + g * per, S)
+                        else:
+                            tile_dot_i8_crumbs(planes, base, xv, xrow + g * per, S)
+                        z = xs[ti, g]
+                        for i in range(R):
+                            acc[i] += s[i] * (d * (np.float32(S[i]) - z))
             for i in range(R):
                 Y[ti, j * R + i] = acc[i]
 
