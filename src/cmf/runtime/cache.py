@@ -27,9 +27,9 @@ class LayerKV:
         """Absolute position after the last cached key."""
         return self.start + self.n
 
-    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """Add T new keys/values; returns (keys, values, position of keys[0]) for attention."""
-        t = k.shape[0]
+    def reserve(self, t: int) -> int:
+        """Make room for ``t`` more entries (the arrays grow by doubling); returns the index the
+        first of them goes to. The caller writes ``k[i]``/``v[i]`` and then advances ``n``."""
         if self.n + t > self.k.shape[0]:
             cap = max(self.k.shape[0] * 2, self.n + t)
             for name in ("k", "v"):
@@ -37,6 +37,12 @@ class LayerKV:
                 new = np.empty((cap,) + old.shape[1:], np.float32)
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
+        return self.n
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Add T new keys/values; returns (keys, values, position of keys[0]) for attention."""
+        t = k.shape[0]
+        self.reserve(t)
         self.k[self.n:self.n + t] = k
         self.v[self.n:self.n + t] = v
         self.n += t

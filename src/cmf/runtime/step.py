@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.gemv import ACTS, MatvecGroup
-from .ops.decode import attend_decode, qk_norm_rope, rms_norm_into
+from .cache import LayerKV
+from .ops.decode import PARALLEL_ATTEND, attend_decode, qk_norm_rope, rms_norm_into, rope_append_attend
 
 _EMPTY = np.zeros(0, np.float32)
 _ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
@@ -64,6 +65,9 @@ class AttnStep:
         self.k = row[self.nq:self.nq + self.nk].reshape(a.kv_heads, a.head_dim)
         self.v = row[self.nq + self.nk:].reshape(a.kv_heads, a.v_head_dim)
         self.k1, self.v1 = self.k[None], self.v[None]
+        self.scale = float(a.scale)
+        self.window = int(a.window or 0)
+        self.softcap = float(a.softcap or 0.0)
 
     @staticmethod
     def supports(attn) -> bool:  # noqa: ANN001
@@ -77,9 +81,19 @@ class AttnStep:
             self.buf += self.bias
         q = self.q
         cos, sin = rope_at(a.rope, pos)
-        qk_norm_rope(q, self.k, self.qn, self.kn, attn.eps, cos, sin)
-        keys, vals, k0 = kv.append(self.k1, self.v1)
-        att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att, nt)
+        if type(kv) is LayerKV and kv.window is None:  # the cache written in place, one call
+            n = kv.reserve(1)
+            serial = nt == 1 or q.shape[0] * (n + 1) * q.shape[1] < PARALLEL_ATTEND
+            rope_append_attend(q, self.k, self.v, self.qn, self.kn, attn.eps, cos, sin, kv.k, kv.v, n, pos,
+                               kv.start, self.scale, self.window, self.softcap, self.att, serial)
+            kv.n = n + 1
+            att = self.att
+            if not serial:
+                attend_decode(q, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, a.scale, a.window, a.softcap, att, nt)
+        else:  # sliding-window caches drop old entries as they append
+            qk_norm_rope(q, self.k, self.qn, self.kn, attn.eps, cos, sin)
+            keys, vals, k0 = kv.append(self.k1, self.v1)
+            att = attend_decode(q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att, nt)
         if attn.head_keep is not None:
             att[~attn.head_keep] = 0
         self.o(att.reshape(1, -1), out, nt)

@@ -184,6 +184,21 @@ def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out, nt):  # 
             out[j, i] *= inv
 
 
+@numba.njit(**_EXACT)
+def rope_append_attend(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, window, softcap, out,
+                       attend):  # pragma: no cover - compiled
+    """One token's attention after its q/k/v products, in one call: :func:`qk_norm_rope` on q
+    and k, k and v written to cache entry ``n`` of K/V [cap, KV, ·], then (``attend``)
+    :func:`attend_one` over entries [0, n] into ``out``. A token step made these three calls
+    plus the cache append in Python (~15 µs a layer); the caller runs the parallel attention
+    itself for long caches (``attend`` False)."""
+    qk_norm_rope(q, k, qn, kn, eps, cos, sin)
+    K[n] = k
+    V[n] = v
+    if attend:
+        attend_one(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out)
+
+
 def attend_decode(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos: int, k0: int, scale: float,
                   window: int | None, softcap: float | None, out: np.ndarray, nt: int | None = None) -> np.ndarray:
     """One-token attention into ``out`` [H, Dv]; parallel over KV heads for long caches."""
