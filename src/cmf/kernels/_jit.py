@@ -190,7 +190,6 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
         sp = context.make_array(signature.args[6])(context, builder, args[6]).data
         vf = ir.VectorType(f32, 16)
         vm = ir.VectorType(i1, 16)
-        ones = ir.Constant(vf, [1.0] * 16)
         zeros = ir.Constant(vf, [0.0] * 16)
         mode = args[7]
 
@@ -210,19 +209,25 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
                     raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
                     store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
             with ladder:
-                kill = builder.icmp_signed("==", mode, ir.Constant(i64, 2))
-                for c in range(4):
-                    v = vload(t0p, 16 * c)
-                    every = ir.Constant(i16, 0xFFFF)
-                    for p in range(5):
-                        off = builder.add(args[3], ir.Constant(i64, 8 * p + 2 * c))
-                        ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
-                        bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
-                        every = builder.and_(every, bits)
-                        mask = builder.bitcast(bits, vm)
-                        v = builder.fmul(v, builder.select(mask, vload(pw, 64 * p + 16 * c), ones))
-                    dead = builder.bitcast(builder.select(kill, every, ir.Constant(i16, 0)), vm)
-                    store(c, builder.select(dead, zeros, v))
+                def rungs(dead31):
+                    for c in range(4):
+                        v = vload(t0p, 16 * c)
+                        every = ir.Constant(i16, 0xFFFF)
+                        for p in range(5):
+                            off = builder.add(args[3], ir.Constant(i64, 8 * p + 2 * c))
+                            ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
+                            bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
+                            every = builder.and_(every, bits)
+                            # v·power where the bit is set: one merge-masked multiply
+                            v = builder.select(builder.bitcast(bits, vm), builder.fmul(v, vload(pw, 64 * p + 16 * c)), v)
+                        store(c, builder.select(builder.bitcast(every, vm), zeros, v) if dead31 else v)
+
+                # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
+                with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
+                    with dead:
+                        rungs(True)
+                    with live:
+                        rungs(False)
         return context.get_dummy_value()
     return types.void(sc, types.int64, planes, types.int64, t0, powers, s, types.int64), codegen
 
