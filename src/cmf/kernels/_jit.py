@@ -173,8 +173,8 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
     ``mode`` 0: f16 bits at ``sc[soff : soff + 64]``. Otherwise from bit-sliced 5-bit codes:
     s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where ``planes[base + 8p : base + 8p + 8]`` is bit
     p of the 64 rows' codes (little-endian: bit i = row i). Each 16-row slice of a plane is
-    reinterpreted as a 16-lane mask that selects, per lane, the power or 1 (AVX-512: one mask
-    load and one masked blend per plane): no per-row gather. ``mode`` 2: rows whose code is 31
+    reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
+    merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
     (all bits set) get an exact 0.
 
     An intrinsic rather than an inlined numba helper: a helper taking these arrays costs a
