@@ -223,3 +223,45 @@ def test_packed_4bit_sources_are_released_and_refault_correctly(tmp_path) -> Non
             assert got > 0 and rel.release([op]) == 0  # each tile once
             assert np.array_equal(op(x[0]), before)  # tail rows re-read their (refaulted) bytes
             _close(op.dense()[:5] @ x[0], before[:5].astype(np.float64))
+
+
+def test_rope_append_attend_matches_the_separate_calls() -> None:
+    """The decode step's fused call = q/k norm + RoPE, the cache write at entry n, attention."""
+    from cmf.runtime.cache import LayerKV
+    from cmf.runtime.ops.rope import build_rope
+
+    rope = build_rope(10000.0, 16)
+    rng = np.random.default_rng(7)
+    qn, kn = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    kv = LayerKV(2, 16)
+    ref_k, ref_v = [], []
+    for pos in range(70):  # past the cache's first capacity (64): reserve() grows it
+        q = rng.standard_normal((8, 16)).astype(np.float32)
+        k = rng.standard_normal((2, 16)).astype(np.float32)
+        v = rng.standard_normal((2, 16)).astype(np.float32)
+        cos, sin = (np.ascontiguousarray(a[0]) for a in rope.cos_sin(np.array([pos])))
+        wq, wk = q.copy(), k.copy()
+        decode.qk_norm_rope(wq, wk, qn, kn, 1e-6, cos, sin)
+        ref_k.append(wk)
+        ref_v.append(v.copy())
+        want = attend(wq[None], np.stack(ref_k), np.stack(ref_v), pos, 0, scale=0.25)[0]
+        n = kv.reserve(1)
+        assert n == pos
+        out = np.empty((8, 16), np.float32)
+        decode.rope_append_attend(q, k, v, qn, kn, 1e-6, cos, sin, kv.k, kv.v, n, pos, 0, 0.25, 0, 0.0, out, True)
+        kv.n = n + 1
+        assert np.array_equal(q, wq) and np.array_equal(kv.k[n], wk) and np.array_equal(kv.v[n], v)
+        _close(out, want.astype(np.float64), 2e-6)
+    assert np.array_equal(kv.k[:70], np.stack(ref_k))  # the growth kept every earlier entry
+
+
+def test_tiles_are_word_interleaved(model) -> None:
+    """The repacked 4-bit layout the integer kernels load directly: planes[t, g, w, i, b] is byte
+    4w + b of row 64t + i's group g (q4_tiled records: [f16 scale][16 B of nibbles])."""
+    op = prepare(model.tensor("q4_tiled.b0"))
+    op(np.ones(256, np.float32))  # packs every tile
+    rows, gpr = 128, 256 // 32
+    rec = np.frombuffer(model.tensor("q4_tiled.b0").numpy(), np.uint8).reshape(rows, gpr, 18)
+    want = rec[:, :, 2:].reshape(2, 64, gpr, 4, 4).transpose(0, 2, 3, 1, 4)  # [t, g, w, i, b]
+    assert op.planes.shape == (2, gpr, 4, 64, 4)
+    assert np.array_equal(op.planes, want)
