@@ -65,9 +65,11 @@ else:
     best = 0.0
     for _ in range(2):
         t0 = time.perf_counter()
-        m.prefill(ids, m.new_cache())
+        c = m.new_cache()
+        m.prefill(ids, c)
         best = max(best, 512 / (time.perf_counter() - t0))
     out["prefill_tps"] = best
+    out["kv_bytes_512"] = sum(L.k.nbytes + L.v.nbytes for L in c.layers if hasattr(L, "k"))
     best = 0.0
     for _ in range(2):
         c = m.new_cache()
@@ -225,7 +227,7 @@ def mask_residency(path: Path) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def render(files, runs, compare, ttft, masks, tiny_rss, host_bw) -> str:
+def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> str:
     out = []
     rows = []
     for q, p in files.items():
@@ -283,6 +285,24 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw) -> str:
     if tiny_rss:
         out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS "
                    f"{tiny_rss:.0f} MB.")
+    if base_rss:
+        out.append("\nPeak RSS against the issue's bound, file + KV cache (at its 512-token peak) + 15%. "
+                   "\"runtime\" is the peak of the same worker on a tiny model of the same dtype (interpreter, "
+                   "numpy, numba, LLVM and that dtype's compiled kernels: what any model of the dtype costs); "
+                   "\"model\" = peak − runtime. 2 threads, the maximum over the rounds:\n")
+        brow = []
+        for q, p in files.items():
+            if q not in base_rss:
+                continue
+            rs = runs[(q, 2)]
+            peak = max(r["peak_rss_mb"] for r in rs)
+            kv = max(r.get("kv_bytes_512", 0) for r in rs) / 2**20
+            bound = (p.stat().st_size / 2**20 + kv) * 1.15
+            model = peak - base_rss[q]
+            brow.append([q, f"{peak:.0f}", f"{base_rss[q]:.0f}", f"{model:.0f}", f"{bound:.0f}",
+                         "yes" if peak <= bound else "no", "yes" if model <= bound else "no"])
+        out.append(table(["dtype", "peak RSS MiB", "runtime MiB", "model MiB", "bound MiB", "peak ≤ bound",
+                          "model ≤ bound"], brow))
     return "\n".join(out)
 
 
@@ -342,8 +362,16 @@ def main() -> None:
     tiny = build(base / "tiny", QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64},
                  ["q8"])["q8"]
     tiny_rss = worker("bench", tiny, 2)["peak_rss_mb"]
+    base_rss = {}
+    if not args.quick:  # the runtime's own peak per dtype: the same worker on a 1-layer model of it
+        small = QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64}
+        tinies = build(base / "tiny-all", small, [d for d in files if not d.endswith("+i8")])
+        for d, f in files.items():
+            src = tinies.get(d.removesuffix("+i8"))
+            if src is not None:
+                base_rss[d] = worker("bench", src, 2, cell_env(d))["peak_rss_mb"]
     load1 = os.getloadavg()
-    text = render(files, runs, compare, ttft, masks, tiny_rss, host_bw)
+    text = render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss)
     print(text)
     if args.write:
         import numba
