@@ -359,17 +359,17 @@ def main() -> None:
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
     ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
     masks = mask_residency(files["q8"]) if "q8" in files and not args.quick else None
-    tiny = build(base / "tiny", QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64},
-                 ["q8"])["q8"]
-    tiny_rss = worker("bench", tiny, 2)["peak_rss_mb"]
+    # the runtime's own peak: the same worker on a 1-layer model (q8 always; with the full run,
+    # one per dtype, so each dtype's compiled kernels are counted with it)
+    small = QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64}
+    kinds = sorted({"q8"} | (set() if args.quick else {d.removesuffix("+i8") for d in files}))
+    tinies = build(base / "tiny", small, kinds)
+    tiny_rss = worker("bench", tinies["q8"], 2)["peak_rss_mb"]
     base_rss = {}
-    if not args.quick:  # the runtime's own peak per dtype: the same worker on a 1-layer model of it
-        small = QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64}
-        tinies = build(base / "tiny-all", small, [d for d in files if not d.endswith("+i8")])
-        for d, f in files.items():
-            src = tinies.get(d.removesuffix("+i8"))
-            if src is not None:
-                base_rss[d] = worker("bench", src, 2, cell_env(d))["peak_rss_mb"]
+    if not args.quick:
+        for d in files:
+            src = d.removesuffix("+i8")
+            base_rss[d] = tiny_rss if d == "q8" else worker("bench", tinies[src], 2, cell_env(d))["peak_rss_mb"]
     load1 = os.getloadavg()
     text = render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss)
     print(text)

@@ -167,12 +167,13 @@ def int8_f32(typingctx, b):  # noqa: ANN001
 
 
 @intrinsic
-def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noqa: ANN001
-    """s[0:64] = the scales of one tile-group's 64 rows.
+def group_scales(typingctx, sc, planes, tg, t0, powers, s, mode):  # noqa: ANN001
+    """s[0:64] = the scales of the 64 rows of tile-group ``tg`` (tile·groups per row + group).
 
-    ``mode`` 0: f16 bits at ``sc[soff : soff + 64]``. Otherwise from bit-sliced 5-bit codes:
-    s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where ``planes[base + 8p : base + 8p + 8]`` is bit
-    p of the 64 rows' codes (little-endian: bit i = row i). Each 16-row slice of a plane is
+    ``mode`` 0: f16 bits at ``sc[64·tg : 64·tg + 64]``. Otherwise from bit-sliced 5-bit codes
+    (40 bytes a tile-group): s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where
+    ``planes[40·tg + 8p : 40·tg + 8p + 8]`` is bit p of the 64 rows' codes (little-endian: bit
+    i = row i). Each 16-row slice of a plane is
     reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
     merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
     (all bits set) get an exact 0.
@@ -183,15 +184,14 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
     """
     def codegen(context, builder, signature, args):
         i1, i16, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(64), ir.FloatType()
-        scp = context.make_array(signature.args[0])(context, builder, args[0]).data
-        pl = context.make_array(signature.args[2])(context, builder, args[2]).data
-        t0p = context.make_array(signature.args[4])(context, builder, args[4]).data
-        pw = context.make_array(signature.args[5])(context, builder, args[5]).data
-        sp = context.make_array(signature.args[6])(context, builder, args[6]).data
+        scp, pl, t0p, pw, sp = (context.make_array(signature.args[k])(context, builder, args[k]).data
+                                for k in (0, 1, 3, 4, 5))
         vf = ir.VectorType(f32, 16)
         vm = ir.VectorType(i1, 16)
         zeros = ir.Constant(vf, [0.0] * 16)
-        mode = args[7]
+        mode = args[6]
+        soff = builder.mul(args[2], ir.Constant(i64, 64))
+        base = builder.mul(args[2], ir.Constant(i64, 40))
 
         def store(c, v):
             dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 16 * c)), vf.as_pointer())
@@ -205,7 +205,7 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
             with f16:
                 vh = ir.VectorType(i16, 16)
                 for c in range(4):
-                    at = builder.add(args[1], ir.Constant(i64, 16 * c))
+                    at = builder.add(soff, ir.Constant(i64, 16 * c))
                     raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
                     store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
             with ladder:
@@ -214,7 +214,7 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
                         v = vload(t0p, 16 * c)
                         every = ir.Constant(i16, 0xFFFF)
                         for p in range(5):
-                            off = builder.add(args[3], ir.Constant(i64, 8 * p + 2 * c))
+                            off = builder.add(base, ir.Constant(i64, 8 * p + 2 * c))
                             ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
                             bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
                             every = builder.and_(every, bits)
@@ -229,7 +229,7 @@ def group_scales(typingctx, sc, soff, planes, base, t0, powers, s, mode):  # noq
                     with live:
                         rungs(False)
         return context.get_dummy_value()
-    return types.void(sc, types.int64, planes, types.int64, t0, powers, s, types.int64), codegen
+    return types.void(sc, planes, types.int64, t0, powers, s, types.int64), codegen
 
 
 # ---------------------------------------------------------------------------------------------

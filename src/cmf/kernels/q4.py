@@ -40,7 +40,7 @@ from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, 
 from .xprep import fill_x
 
 R = 64  # rows per tile: four 16-lane vectors
-CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i)
+CODE_BYTES = 40  # one tile-group's 64 five-bit codes as 5 bit planes of 64 bits (bit i = row i; group_scales)
 KIND_F16, KIND_Q4TP, KIND_Q2TP, KIND_Q1T = 0, 1, 2, 3  # q1t: ternary digits as crumbs t + 1
 # Per kind (indexed by it, in the kernels and in ``tiled.TiledLinear`` alike): bytes of a
 # tile-group's codes per row (16 nibbles or 8 crumbs), the code of a zero weight, and whether a
@@ -184,7 +184,7 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
     mode = SCALE_MODE[kind]
     acc[:] = 0
     for g in range(gpr):
-        group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
+        group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
         z = xs[ti, g]
         tg = (t * gpr + g) * words * 4 * R  # byte offset of the tile-group; word w of row i at + 4(R·w + i)
         if words == 2:  # crumbs: q2tp, q1t
@@ -263,7 +263,7 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, params, exp2tab, ready, src, 
                 xrow = ti * xv.shape[1]  # offsets into the whole (C-contiguous) xv
                 acc[:] = 0
                 for g in range(gpr):
-                    group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, t0, pw, s, mode)
+                    group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
                     base = (t * gpr + g) * width * R
                     d = xd[ti, g]
                     if three:
@@ -416,7 +416,7 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, params, exp2tab, ready, src, s
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
         for g in range(gpr):
-            group_scales(sc, (t * gpr + g) * R, cw, (t * gpr + g) * CODE_BYTES, base, pw, s, mode)
+            group_scales(sc, cw, t * gpr + g, base, pw, s, mode)
             tg = (t * gpr + g) * words * 4 * R
             for w in range(words):
                 if words == 4:

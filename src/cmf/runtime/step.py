@@ -15,7 +15,7 @@ import numpy as np
 
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
-from .ops.decode import PARALLEL_ATTEND, attend_decode, qk_norm_rope, rms_norm_into, rope_append_attend
+from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
 
 _EMPTY = np.zeros(0, np.float32)
 _ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
@@ -83,7 +83,7 @@ class AttnStep:
         cos, sin = rope_at(a.rope, pos)
         if type(kv) is LayerKV and kv.window is None:  # the cache written in place, one call
             n = kv.reserve(1)
-            serial = nt == 1 or q.shape[0] * (n + 1) * q.shape[1] < PARALLEL_ATTEND
+            serial = attends_serially(q, n + 1, nt)
             rope_append_attend(q, self.k, self.v, self.qn, self.kn, attn.eps, cos, sin, kv.k, kv.v, n, pos,
                                kv.start, self.scale, self.window, self.softcap, self.att, serial)
             kv.n = n + 1

@@ -199,12 +199,17 @@ def rope_append_attend(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, 
         attend_one(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out)
 
 
+def attends_serially(q: np.ndarray, n_keys: int, nt: int) -> bool:
+    """Whether one-token attention of q [H, D] over ``n_keys`` cache entries runs on one thread
+    (short caches: a parallel region costs more than it saves, see PARALLEL_ATTEND)."""
+    return nt <= 1 or q.shape[0] * n_keys * q.shape[1] < PARALLEL_ATTEND
+
+
 def attend_decode(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos: int, k0: int, scale: float,
                   window: int | None, softcap: float | None, out: np.ndarray, nt: int | None = None) -> np.ndarray:
     """One-token attention into ``out`` [H, Dv]; parallel over KV heads for long caches."""
-    work = q.shape[0] * keys.shape[0] * q.shape[1]
     nt = numba.get_num_threads() if nt is None else nt
-    if work >= PARALLEL_ATTEND and nt > 1:
+    if not attends_serially(q, keys.shape[0], nt):
         attend_one_par(q, keys, vals, pos, k0, scale, int(window or 0), float(softcap or 0.0), out, nt)
     else:
         attend_one(q, keys, vals, pos, k0, scale, int(window or 0), float(softcap or 0.0), out)
