@@ -131,10 +131,24 @@ def test_rows_touch_only_their_tiles(model) -> None:
 
 
 def test_repack_is_no_larger_than_the_payload(model) -> None:
-    for name in ("q4_block", "q4_tiled", "q4tp", "q2tp"):
+    # the ladder kinds keep each row's base as two float32 (2^lo, ratio) where the file has two
+    # uint16 table indices: 4 bytes a row more than the payload, nothing else
+    for name, extra in (("q4_block", 0), ("q4_tiled", 0), ("q4tp", 4), ("q2tp", 4)):
         op = prepare_fused(model.tensor(f"{name}.big"))
-        repacked = op.planes.nbytes + op.sc.nbytes + op.cw.nbytes
-        assert repacked <= op.nbytes, name
+        repacked = op.planes.nbytes + op.sc.nbytes + op.cw.nbytes + op.lad.nbytes
+        assert repacked <= op.nbytes + extra * op.out_features, name
+
+
+def test_ladder_base_is_packed_with_its_tile(model) -> None:
+    from cmf.kernels.tiled import _exp2_table
+
+    op = prepare_fused(model.tensor("q4tp.big"))
+    assert not op.lad.any()
+    op.rows([70], np.ones(op.in_features, np.float32))  # packs tile 1 only
+    table = _exp2_table()
+    np.testing.assert_array_equal(op.lad[1, 0], table[op.params[64:128, 0]])
+    np.testing.assert_array_equal(op.lad[1, 1], table[op.params[64:128, 1]])
+    assert not op.lad[0].any() and not op.lad[2:].any()
 
 
 def test_unsupported_layouts_fall_back_to_reference(model) -> None:

@@ -131,7 +131,7 @@ def q1_gemm(addr, ilp64, kind, tiles, table, lut, ptr, ent, X, Y, bufs, nt):  # 
 
 
 @numba.njit(**PARALLEL_ORDERED)
-def tiled_gemm(addr, ilp64, ntiles, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, X, Y, bufs,
+def tiled_gemm(addr, ilp64, ntiles, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, X, Y, bufs,
                nt):  # pragma: no cover - compiled
     """4-bit family: whole 64-row tiles dequantized transposed ([in, m·64]), then sgemm."""
     T, k = X.shape
@@ -143,7 +143,7 @@ def tiled_gemm(addr, ilp64, ntiles, kind, planes, sc, cw, params, exp2tab, ready
         t = t0
         while t < t1:
             e = min(t1, t + per)
-            tiles_dequant_t(t, e, kind, planes, sc, cw, params, exp2tab, ready, src, scs, cs, buf)
+            tiles_dequant_t(t, e, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, buf)
             sgemm(addr, ilp64, NO_TRANS, T, (e - t) * TILE_R, k, X, k, buf, bufs.shape[2], Y[:, t * TILE_R:], n)
             t = e
 

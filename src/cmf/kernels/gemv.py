@@ -143,11 +143,11 @@ def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
+def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
                  nt, j, act, width, has_tail):  # pragma: no cover - compiled
     for m in range(len(planes)):
         t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
-        tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], params[m], exp2tabs[m], readys[m],
+        tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], lads[m], params[m], exp2tabs[m], readys[m],
                   srcs[m], scss[m], css[m], xp, xs, xv, xd, Y[:, offs[m]:])
     if act >= 0 and not has_tail:
         t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
@@ -174,25 +174,25 @@ def _any_tail(tails):  # pragma: no cover - compiled
 
 
 @numba.njit(**PARALLEL_ORDERED)
-def tiled_group(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp, xs,
+def tiled_group(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp, xs,
                 q8, xv, xd, zero, Y, offs, nt, act, width):  # pragma: no cover - compiled
     """The 4-bit family: every matrix shares one regrouped (or int8) x (same code width)."""
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
     for j in prange(nt):
-        _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y,
+        _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y,
                      offs, nt, j, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
 
 @numba.njit(**SERIAL_ORDERED)
-def tiled_group_serial(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp,
+def tiled_group_serial(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tails, tiles, X, xp,
                        xs, q8, xv, xd, zero, Y, offs, act, width):  # pragma: no cover - compiled
     """:func:`tiled_group` on the calling thread."""
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
-    _tiled_chunk(kinds, planes, scs16, cws, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
+    _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
                  1, 0, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
@@ -247,7 +247,7 @@ class MatvecGroup:
             self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
             self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (
-                "kind", "planes", "sc", "cw", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
+                "kind", "planes", "sc", "cw", "lad", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
             # the arguments around x, built once (the call then only adds x, out and nt)
             self._before = (*self._tup, self._tiles)
             self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)

@@ -82,12 +82,13 @@ class TiledLinear(FusedLinear):
         f16 = F16_SCALES[self.kind]
         self.sc = huge_zeros((nt, gpr, R) if f16 else (0, 0, 0), np.uint16)
         self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
+        self.lad = huge_zeros((0 if f16 else nt, 2, R), np.float32)  # per row: 2^lo, ratio
         self.ready = np.zeros(nt, np.uint8)
         self.all_tiles = np.arange(nt, dtype=np.int64)
         self.tail = np.arange(nt * R, rows, dtype=np.int64)
 
     def _args(self) -> tuple:
-        return (self.kind, self.planes, self.sc, self.cw, self.params, self.exp2tab, self.ready,
+        return (self.kind, self.planes, self.sc, self.cw, self.lad, self.params, self.exp2tab, self.ready,
                 self.src, self.scs, self.cs)
 
     def use_int8_activations(self, on: bool = True) -> bool:

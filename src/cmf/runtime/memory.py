@@ -26,7 +26,7 @@ PAGE = mmap.PAGESIZE
 def _ranges(op) -> list[tuple[np.ndarray, int]]:  # noqa: ANN001 - a kernels.tiled.TiledLinear
     """(source array, bytes per row) of each repacked per-row source of ``op``."""
     out = []
-    for a in (op.src, op.scs, op.cs):
+    for a in (op.src, op.scs, op.cs, op.params):
         if a.ndim >= 2 and a.shape[0] == op.out_features and a.size:
             out.append((a, a.nbytes // a.shape[0]))
     return out
