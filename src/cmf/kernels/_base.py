@@ -120,6 +120,16 @@ class FusedLinear:
             self._dequant_rows(idx, out, False)
         return out
 
+    def dequant_row(self, row: int) -> np.ndarray:
+        """Row ``row`` as [1, in] float32 (:meth:`dequant_rows` of one index, with one bounds
+        check instead of the general index validation: a decode step's embedding lookup)."""
+        if not 0 <= row < self.out_features:
+            raise BoundsError(f"tensor {self.name!r}: row index {row} is outside 0..{self.out_features - 1}")
+        out = np.empty((1, self.in_features), np.float32)
+        if out.size:
+            self._dequant_rows(np.array([row], np.int64), out, False)
+        return out
+
     def dense(self) -> np.ndarray:
         """The whole matrix as float32 (exactly what ``cmf.quant.decode`` returns)."""
         from .. import quant

@@ -261,32 +261,42 @@ class MatvecGroup:
                 ws, ss, cols = tuple(o.w for o in self.ops), (none,) * len(self.ops), (none,) * len(self.ops)
             self._tup = (ws, kind, ss, cols)
 
+    def bind(self, x: np.ndarray, out: np.ndarray, nt: int) -> tuple | None:
+        """(compiled function, its arguments) computing ``self(x, out, nt)``, or None when the
+        matrices run one after another (no single call). A token step binds its buffers once and
+        then makes the call directly: the Python around each product, run with caches the weight
+        stream has just evicted, cost more than the call itself."""
+        fam = self.family
+        if fam is None:
+            return None
+        if nt > 1 and self.nbytes < _jit.PARALLEL_MIN_BYTES:
+            nt = 1
+        if fam in ("q8", "f32") or fam.startswith("half"):
+            if nt > 1:
+                return rows_group, (*self._tup, x, out, self.offs, nt, self.act, self.width)
+            return rows_group_serial, (*self._tup, x, out, self.offs, self.act, self.width)
+        if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
+            return None
+        if nt > 1:
+            return tiled_group, (*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
+        return tiled_group_serial, (*self._before, x, *self._after, out, self.offs, self.act, self.width)
+
     def __call__(self, x: np.ndarray, out: np.ndarray, nt: int | None = None) -> np.ndarray:
         """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``.
 
         ``nt``: the thread count (numba's current one when None; a token step reads it once)."""
-        fam = self.family
         if nt is None:
             nt = threads()
-        if nt > 1 and self.nbytes < _jit.PARALLEL_MIN_BYTES:
-            nt = 1
-        if fam is None:
-            for o, off, n in zip(self.ops, self.offs, self.sizes):
-                out[:, off:off + n] = o(x)
-            if self.act != NO_ACT:
-                apply_act(out, self.width, self.act, 0, self.width)
-        elif fam in ("q8", "f32") or fam.startswith("half"):
-            if nt > 1:
-                rows_group(*self._tup, x, out, self.offs, nt, self.act, self.width)
-            else:
-                rows_group_serial(*self._tup, x, out, self.offs, self.act, self.width)
-        else:
-            if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
-                x = np.ascontiguousarray(x)
-            if nt > 1:
-                tiled_group(*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
-            else:
-                tiled_group_serial(*self._before, x, *self._after, out, self.offs, self.act, self.width)
+        if self.family is not None and x.strides[1] != 4:
+            x = np.ascontiguousarray(x)
+        call = self.bind(x, out, nt)
+        if call is not None:
+            call[0](*call[1])
+            return out
+        for o, off, n in zip(self.ops, self.offs, self.sizes):
+            out[:, off:off + n] = o(x)
+        if self.act != NO_ACT:
+            apply_act(out, self.width, self.act, 0, self.width)
         return out
 
 

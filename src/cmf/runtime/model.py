@@ -17,6 +17,7 @@ from ..format.reader import open as cmf_open
 from .blocks import Block, MoeFfn
 from .cache import Cache
 from .memory import PackedSourceReleaser
+from .ops.decode import rms_norm_into
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .plan import ModelPlan, build_plan
 from .weights import Weights
@@ -373,10 +374,11 @@ class Model:
             raise ValueError("forward() needs at least one token")
         if cache.pos + t > self.ctx_size:
             raise ContextOverflow(f"context limit exceeded: {cache.pos} + {t} tokens > ctx size {self.ctx_size}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.plan.vocab:
+        lo, hi = (int(ids[0]),) * 2 if t == 1 else (int(ids.min()), int(ids.max()))
+        if lo < 0 or hi >= self.plan.vocab:
             raise ValueError(f"token id out of range [0, {self.plan.vocab})")
         plan = self.plan
-        x = self.weights.rows(plan.embed, ids)
+        x = self.weights.row(plan.embed, lo) if t == 1 else self.weights.rows(plan.embed, ids)
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
         pos0 = cache.pos
@@ -385,7 +387,6 @@ class Model:
         # after every prefill and after decode forwards 1, 2, 4, 8, ... (tiles are packed once).
         watch = t > 1 or not self._forwards & (self._forwards - 1)
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
-            x = np.ascontiguousarray(x, dtype=np.float32)
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
             for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 block.step(x, state, pos0, nt)
@@ -399,7 +400,13 @@ class Model:
         if watch:
             self._releaser.release([self._lm_head])
         cache.pos += t
-        return rms_norm_prepared(x, self._final_norm, plan.eps) if self._final_norm is not None else x
+        if self._final_norm is None:
+            return x
+        if t == 1:  # one compiled call (rms_norm_prepared's numpy steps cost ~0.1 ms cold)
+            h = np.empty_like(x)
+            rms_norm_into(x, self._final_norm, plan.eps, h)
+            return h
+        return rms_norm_prepared(x, self._final_norm, plan.eps)
 
     def _release_packed(self, i: int) -> None:
         lin = self.weights._linears

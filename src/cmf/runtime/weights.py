@@ -184,6 +184,14 @@ class Weights:
             self._linears[name] = op
         return op
 
+    def row(self, name: str, i: int) -> np.ndarray:
+        """Row ``i`` of a matrix as [1, n] float32 (C-contiguous): :meth:`rows` of one id, with
+        one bounds check when the matrix has a prepared LinearOp (the decode step's lookup)."""
+        op = self._linears.get(name)
+        if hasattr(op, "dequant_row"):
+            return op.dequant_row(i)
+        return np.ascontiguousarray(self.rows(name, np.array([i], np.int64)), dtype=np.float32)
+
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Decode only the rows ``ids`` of a matrix (embedding lookups)."""
         ids = np.asarray(ids, dtype=np.int64)
