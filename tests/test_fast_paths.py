@@ -265,3 +265,37 @@ def test_tiles_are_word_interleaved(model) -> None:
     want = rec[:, :, 2:].reshape(2, 64, gpr, 4, 4).transpose(0, 2, 3, 1, 4)  # [t, g, w, i, b]
     assert op.planes.shape == (2, gpr, 4, 64, 4)
     assert np.array_equal(op.planes, want)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_bound_group_call_is_the_group_call(model, name) -> None:
+    ops = [prepare(model.tensor(f"{name}.b{k}")) for k in range(3)]
+    g = MatvecGroup(ops)
+    x = np.random.default_rng(8).standard_normal((1, 256)).astype(np.float32)
+    want = g(x, np.empty((1, g.out_features), np.float32), 2).copy()
+    out = np.full((1, g.out_features), np.nan, np.float32)
+    call = g.bind(x, out, 2)
+    if g.family is None:  # one product after another: no single call to bind
+        assert call is None
+        return
+    call[0](*call[1])
+    assert np.array_equal(out, want)
+    if g.family.startswith("tiled"):
+        wide = np.zeros((1, 512), np.float32)
+        assert g.bind(wide[:, ::2], out, 2) is None  # the int8 preparation needs unit stride
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_row", "q4tp", "q2tp", "vbit", "q1t"])
+def test_one_row_lookup_equals_the_rows_lookup(model, name) -> None:
+    from cmf.format.errors import BoundsError
+
+    op = prepare(model.tensor(f"{name}.a0"))
+    if not hasattr(op, "dequant_row"):
+        pytest.skip("reference op")
+    for r in (0, 77, 199):
+        got = op.dequant_row(r)
+        assert got.shape == (1, 96) and got.flags.c_contiguous
+        assert np.array_equal(got, op.dequant_rows(np.array([r])))
+    for bad in (-1, 200):
+        with pytest.raises(BoundsError, match="outside 0..199"):
+            op.dequant_row(bad)

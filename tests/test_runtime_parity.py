@@ -144,3 +144,27 @@ def test_seeded_sampling_reproducible():
         b = m.generate("hello world", **kw)
         c = m.generate("hello world", **dict(kw, seed=99))
     assert a == b and a != c
+
+
+@pytest.mark.parametrize("kind,quant", [("qwen3", "f32"), ("qwen2", "q8"), ("llama", "q4tp")])
+def test_plain_layer_path_equals_the_general_step(kind, quant, monkeypatch):
+    """BlockStep._plain (pre-bound calls) computes exactly what the general step computes."""
+    from cmf.runtime.step import BlockStep
+
+    ids = prompt(4).tolist()
+
+    def run():
+        with cmf.load(converted(kind, quant)) as m:
+            c = m.new_cache()
+            out = [m.prefill(ids, c)]
+            for t in range(6):
+                out.append(m.forward([int(np.argmax(out[-1]))], c))
+            plain = sum(b._step._bound[1] is not None for b in m._blocks)
+        return np.concatenate(out), plain
+
+    fast, n_plain = run()
+    assert n_plain > 0  # the layers took the plain path
+    monkeypatch.setattr(BlockStep, "_bind", lambda self, nt: None)
+    general, n_plain = run()
+    assert n_plain == 0
+    assert np.array_equal(fast, general)
