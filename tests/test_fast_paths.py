@@ -299,3 +299,18 @@ def test_one_row_lookup_equals_the_rows_lookup(model, name) -> None:
     for bad in (-1, 200):
         with pytest.raises(BoundsError, match="outside 0..199"):
             op.dequant_row(bad)
+
+
+def test_add_norm_into_is_the_add_then_the_norm() -> None:
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    a = rng.standard_normal((1, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    want_x = x + a
+    want = np.empty_like(x)
+    decode.rms_norm_into(want_x, w, 1e-6, want)
+    got = np.empty_like(x)
+    decode.add_norm_into(x, a, w, 1e-6, got)
+    assert np.array_equal(x, want_x) and np.array_equal(got, want)
+    decode.add_into(x, a)
+    assert np.array_equal(x, want_x + a)

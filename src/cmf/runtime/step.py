@@ -15,7 +15,8 @@ import numpy as np
 
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
-from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
+from .ops.decode import (add_into, add_norm_into, attend_decode, attends_serially, qk_norm_rope, rms_norm_into,
+                         rope_append_attend)
 
 _EMPTY = np.zeros(0, np.float32)
 _ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
@@ -199,9 +200,8 @@ class BlockStep:
         o(*o_args)
         if at.attn.ob is not None:
             self.a += at.attn.ob
-        x += self.a
-        rms_norm_into(x, b.n_post_attn, b.eps, self.h)
+        add_norm_into(x, self.a, b.n_post_attn, b.eps, self.h)
         gate_up(*gate_up_args)
         down(*down_args)
-        x += self.f
+        add_into(x, self.f)
         return x
