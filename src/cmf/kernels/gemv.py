@@ -143,8 +143,8 @@ def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
-                 nt, j, act, width, has_tail):  # pragma: no cover - compiled
+def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
+                 Y, offs, nt, j, act, width, has_tail):  # pragma: no cover - compiled
     for m in range(len(planes)):
         t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
         tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], lads[m], params[m], exp2tabs[m], readys[m],
@@ -180,8 +180,8 @@ def tiled_group(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs,
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
     for j in prange(nt):
-        _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y,
-                     offs, nt, j, act, width, has_tail)
+        _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv,
+                     xd, Y, offs, nt, j, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
@@ -192,8 +192,8 @@ def tiled_group_serial(kinds, planes, scs16, cws, lads, params, exp2tabs, readys
     """:func:`tiled_group` on the calling thread."""
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
-    _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd, Y, offs,
-                 1, 0, act, width, has_tail)
+    _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
+                 Y, offs, 1, 0, act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
