@@ -251,19 +251,21 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
     out.append(table(["dtype", "file MiB", "MB/token", "threads", "decode t/s", "of bound", "of host",
                       "prefill t/s", "peak RSS MB"], rows))
     if compare:
-        out.append("\nSame weights, fresh processes interleaved (`cmf bench --compare hf,llama.cpp -t 2`), medians:\n")
+        out.append("\nSame weights, fresh processes interleaved (`cmf bench --compare hf,llama.cpp -t 2`), medians; "
+                   "ratios are medians of the rounds' paired ratios (each round runs every engine once, the order "
+                   "reversed every other round):\n")
         crow = []
         for q, res in compare.items():
             base = {r["engine"]: r for r in res["rows"]}
-            py = base["pycmf"]
             i8 = base.get("pycmf-int8")
             for r in res["rows"]:
                 mine = r["engine"].startswith("pycmf")
                 crow.append([q, r["engine"], r["format"], f"{r['size_bytes'] / 2**20:.0f}",
                              f"{r['decode_tps']:.1f}", f"{r['prefill_tps']:.0f}", f"{r['peak_rss_mb']:.0f}",
-                             "" if mine else f"{py['decode_tps'] / r['decode_tps']:.2f}×",
-                             "" if mine else f"{py['prefill_tps'] / r['prefill_tps']:.2f}×",
-                             "" if mine or i8 is None else f"{i8['decode_tps'] / r['decode_tps']:.2f}×"])
+                             "" if mine else f"{1 / r['decode_ratio_to_pycmf']:.2f}×",
+                             "" if mine else f"{1 / r['prefill_ratio_to_pycmf']:.2f}×",
+                             "" if mine or i8 is None else
+                             f"{i8['decode_ratio_to_pycmf'] / r['decode_ratio_to_pycmf']:.2f}×"])
             for e, why in res["skipped"].items():
                 if e != "pycmf-int8":
                     crow.append([q, e, "skipped", "", "", "", "", why, "", ""])

@@ -109,3 +109,31 @@ def test_bench_compare_int8_engine_only_for_4bit(model_path, tmp_path):
     convert(H.fixture("qwen3"), q4, quant="q4tp")
     peers = prepare_peers(q4, ["pycmf-int8"], tmp_path)
     assert peers["pycmf-int8"] == (str(q4), "q4tp, int8 activations")
+
+
+def test_bench_compare_pairs_rounds_and_alternates_the_order(model_path, monkeypatch):
+    """Ratios are medians of per-round paired ratios; odd rounds run the engines in reverse order."""
+    import subprocess
+
+    from cmf.tools import bench_compare
+
+    order, speed = [], {"pycmf": [100.0, 50.0, 100.0], "hf": [110.0, 55.0, 90.0]}  # the host halves in round 2
+
+    def fake_run(cmd, **kw):
+        engine = cmd[3]
+        order.append(engine)
+        tps = speed[engine][sum(e == engine for e in order) - 1]
+        out = json.dumps({"decode_tps": tps, "prefill_tps": 2 * tps, "peak_rss_mb": 100.0})
+        return subprocess.CompletedProcess(cmd, 0, stdout=out + "\n", stderr="")
+
+    monkeypatch.setattr(bench_compare.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_compare, "prepare_peers",
+                        lambda model, engines, d: {e: (str(model), e) for e in engines})
+    res = bench_compare.compare(model_path, ["hf"], n_prompt=8, n_gen=4, reps=3)
+    assert order == ["pycmf", "hf", "hf", "pycmf", "pycmf", "hf"]
+    hf = res["rows"][1]
+    assert hf["decode_tps"] == 90.0  # the median of the engine's own runs
+    assert hf["decode_ratio_to_pycmf"] == pytest.approx(1.1)  # rounds: 1.1, 1.1, 0.9
+    assert hf["decode_ratio_range"] == pytest.approx((0.9, 1.1))
+    assert res["rows"][0]["decode_ratio_to_pycmf"] == 1.0
+    assert "paired" in bench_compare.render(res)

@@ -205,7 +205,13 @@ def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int 
             reps: int = 3, threads: int | None = None,
             before_run: Callable[[], None] | None = None) -> dict[str, Any]:
     """Interleaved fresh-process runs of each engine; medians per engine. ``before_run`` is called
-    before each engine process starts (benchmarks/runtime.py waits there for a quiet machine)."""
+    before each engine process starts (benchmarks/runtime.py waits there for a quiet machine).
+
+    The ratios to pycmf are paired: each round runs every engine once, in the listed order on even
+    rounds and reversed on odd ones, and a round's ratio compares runs made minutes apart at most;
+    the table gives the median of the rounds' ratios and their range. On a shared machine whose
+    memory bandwidth drifts by 2× within twenty minutes, a ratio of two medians taken from
+    different stretches of time measures the drift as much as the engines."""
     model = Path(model)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -216,8 +222,8 @@ def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int 
         peers = prepare_peers(model, engines, Path(d))
         runnable = [e for e in engines if isinstance(peers.get(e), tuple)]
         samples: dict[str, list[dict[str, float]]] = {e: [] for e in runnable}
-        for _ in range(max(1, reps)):
-            for e in runnable:
+        for r in range(max(1, reps)):
+            for e in (runnable if r % 2 == 0 else runnable[::-1]):
                 path = peers[e][0]  # type: ignore[index]
                 if before_run is not None:
                     before_run()
@@ -230,14 +236,15 @@ def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int 
         sizes = {e: _size(peers[e][0]) for e in runnable}  # type: ignore[index]
     rows = []
     med = {e: {k: statistics.median(s[k] for s in samples[e]) for k in samples[e][0]} for e in runnable}
-    base = med["pycmf"]
     for e in runnable:
         m = med[e]
-        rows.append({"engine": e, "format": peers[e][1], "size_bytes": sizes[e],  # type: ignore[index]
-                     "decode_tps": m.get("decode_tps"), "prefill_tps": m.get("prefill_tps"),
-                     "peak_rss_mb": m["peak_rss_mb"],
-                     "decode_ratio_to_pycmf": (m["decode_tps"] / base["decode_tps"]) if n_gen else None,
-                     "prefill_ratio_to_pycmf": (m["prefill_tps"] / base["prefill_tps"]) if n_prompt else None})
+        row = {"engine": e, "format": peers[e][1], "size_bytes": sizes[e],  # type: ignore[index]
+               "decode_tps": m.get("decode_tps"), "prefill_tps": m.get("prefill_tps"), "peak_rss_mb": m["peak_rss_mb"]}
+        for key, n in (("decode", n_gen), ("prefill", n_prompt)):
+            ratios = [a[f"{key}_tps"] / b[f"{key}_tps"] for a, b in zip(samples[e], samples["pycmf"])] if n else []
+            row[f"{key}_ratio_to_pycmf"] = statistics.median(ratios) if ratios else None
+            row[f"{key}_ratio_range"] = (min(ratios), max(ratios)) if ratios else None
+        rows.append(row)
     skipped = {e: peers[e] for e in engines if isinstance(peers.get(e), str)}
     return {"model": str(model), "n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "threads": threads,
             "rows": rows, "skipped": skipped}
@@ -254,13 +261,24 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"| engine | format | size | decode t/s (tg{res['n_gen']}) | prefill t/s (pp{res['n_prompt']}) | "
              "peak RSS | decode vs pycmf | prefill vs pycmf |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res["rows"]:
-        def f(x: float | None, fmt: str) -> str:
-            return "—" if x is None else format(x, fmt)
+    def f(x: float | None, fmt: str) -> str:
+        return "—" if x is None else format(x, fmt)
 
-        lines.append(f"| {r['engine']} | {r['format']} | {r['size_bytes'] / 2**20:.1f} MiB | {f(r['decode_tps'], '.1f')} "
-                     f"| {f(r['prefill_tps'], '.1f')} | {r['peak_rss_mb']:.0f} MB | {f(r['decode_ratio_to_pycmf'], '.2f')}× "
-                     f"| {f(r['prefill_ratio_to_pycmf'], '.2f')}× |")
+    def ratio(r: dict[str, Any], key: str) -> str:
+        mid, span = r[f"{key}_ratio_to_pycmf"], r.get(f"{key}_ratio_range")
+        if mid is None:
+            return "—"
+        if r["engine"] == "pycmf" or span is None or res["reps"] < 2:
+            return f"{mid:.2f}×"
+        return f"{mid:.2f}× ({span[0]:.2f}–{span[1]:.2f})"
+
+    for r in res["rows"]:
+        lines.append(f"| {r['engine']} | {r['format']} | {r['size_bytes'] / 2**20:.1f} MiB "
+                     f"| {f(r['decode_tps'], '.1f')} | {f(r['prefill_tps'], '.1f')} | {r['peak_rss_mb']:.0f} MB "
+                     f"| {ratio(r, 'decode')} | {ratio(r, 'prefill')} |")
+    if res["reps"] > 1:
+        lines.append("\nRatios: median (and range) of the rounds' paired ratios; each round runs every engine "
+                     "once, the order reversed every other round.")
     for e, why in res["skipped"].items():
         lines.append(f"\n{e}: skipped — {why}")
     return "\n".join(lines)
