@@ -129,6 +129,18 @@ def word_at(typingctx, a, off):  # noqa: ANN001
 
 
 @intrinsic
+def put_word(typingctx, a, off, v):  # noqa: ANN001
+    """Store the uint32 ``v`` little-endian at byte ``off`` of a uint8 array (packing tiles a word
+    at a time instead of a byte at a time)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(cgutils.gep(builder, data, args[1]), ir.IntType(32).as_pointer())
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+    return types.void(a, types.int64, types.uint32), codegen
+
+
+@intrinsic
 def field32(typingctx, word, shift, mask):  # noqa: ANN001
     """(word >> shift) & mask of a uint32 as float32, in 32-bit lanes (numba would widen the
     shift to int64, which keeps LLVM from vectorizing the loop around it)."""
