@@ -141,6 +141,21 @@ def put_word(typingctx, a, off, v):  # noqa: ANN001
 
 
 @intrinsic
+def prefetch_at(typingctx, a, off):  # noqa: ANN001
+    """Prefetch the cache line at byte ``off`` of an array (llvm.prefetch, read, L2 locality)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        p8 = builder.bitcast(cgutils.gep(builder, data, args[1]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [p8, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])  # read, L2, data
+        return context.get_dummy_value()
+    return types.void(a, types.int64), codegen
+
+
+
+@intrinsic
 def field32(typingctx, word, shift, mask):  # noqa: ANN001
     """(word >> shift) & mask of a uint32 as float32, in 32-bit lanes (numba would widen the
     shift to int64, which keeps LLVM from vectorizing the loop around it)."""

@@ -38,7 +38,7 @@ from numba import prange
 from ..format.constants import GROUP
 from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, field32, group_scales, hi_nibble,
-                   lo_nibble, put_word, word_at)
+                   lo_nibble, prefetch_at, put_word, word_at)
 from .xprep import fill_x
 
 R = 64  # rows per tile: four 16-lane vectors
@@ -50,6 +50,12 @@ KIND_F16, KIND_Q4TP, KIND_Q2TP, KIND_Q1T = 0, 1, 2, 3  # q1t: ternary digits as 
 WIDTH = (16, 16, 8, 8)
 ZERO = (8.0, 8.0, 1.5, 1.0)
 F16_SCALES = (True, False, False, True)
+# The integer tile loop prefetches the planes this many bytes ahead (into L2). Each thread streams
+# its tiles sequentially, but the hardware prefetchers stop at every 4 KB boundary, and a thread
+# alternates between waiting for DRAM and computing; fetching a tile-group's lines 16 KB early
+# overlaps the two: q4t/q4tp decode 1.10–1.24× (old and new code in one process, interleaved;
+# 4 KB ahead gave 1.01–1.10×).
+PREFETCH_AHEAD = 16384
 FINE = np.float32(1 / 128 ** 2)  # unit of the three pieces' combined integer sum
 # Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
 # (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
@@ -277,6 +283,10 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, 
                 for g in range(gpr):
                     group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
                     base = (t * gpr + g) * width * R
+                    ahead = base + PREFETCH_AHEAD
+                    if ahead < planes.size:  # the tile-group 16 KB ahead, into L2 (see PREFETCH_AHEAD)
+                        for q in range(width):  # width·R bytes: width cache lines
+                            prefetch_at(planes, ahead + 64 * q)
                     d = xd[ti, g]
                     if three:
                         if width == 16:
