@@ -142,10 +142,11 @@ def put_word(typingctx, a, off, v):  # noqa: ANN001
 
 @intrinsic
 def prefetch_at(typingctx, a, off):  # noqa: ANN001
-    """Prefetch the cache line at byte ``off`` of an array (llvm.prefetch, read, L2 locality)."""
+    """Prefetch the cache line at byte ``off`` of an array (any dtype; llvm.prefetch, read, L2
+    locality). Only a hint: an address past the array is not an error, but callers stay inside."""
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        p8 = builder.bitcast(cgutils.gep(builder, data, args[1]), ir.IntType(8).as_pointer())
+        p8 = cgutils.gep(builder, builder.bitcast(data, ir.IntType(8).as_pointer()), args[1])
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
