@@ -19,10 +19,9 @@ each row's ladder base ``lad[tile] = (2^lo, ratio)`` as two float32 where the fi
 table indices (4 bytes a row more; the mapped params are given back with the rest of the source,
 ``runtime/memory.py``). Per tile, each row's ratio^(2^p) is expanded into a small scratch, and a
 scale is built by multiplying in the powers whose code bit is set (``_jit.group_scales``: lane
-masks, no per-row gather). Rows past the last
-whole tile (``rows % 64``) are not repacked; they are decoded from the mapped bytes on every
-call. Tiles are packed lazily, the first time a product needs them, so rows that a mask never
-selects are never read.
+masks, no per-row gather). Rows past the last whole tile (``rows % 64``) are not repacked; they
+are decoded from the mapped bytes on every call. Tiles are packed lazily, the first time a
+product needs them, so rows that a mask never selects are never read.
 
 Sums use ``Σ(q - z)·x = Σ q·x - z·Σx`` with ``z·Σx`` computed once per call and group (z = 8
 for nibbles, 1.5 for q2tp crumbs); results agree with decode + numpy to ~2e-6 of max |y|
@@ -111,8 +110,7 @@ def _pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad):  # 
     The ladder base is looked up here, once: per product it meant two dependent loads per row
     (the row's params in the mapped file, then ``exp2tab`` at a scattered index) that the weight
     stream had evicted from cache: ~0.5 µs a tile measured cold; storing the base made q4tp
-    decode 4–5% faster.
-    Only final values are stored, so packing the same tile twice at once is harmless."""
+    decode 4–5% faster. Only final values are stored, so packing the same tile twice at once is harmless."""
     if kind == KIND_Q1T:
         _pack_tile_q1t(t, src, planes, sc)
         return
@@ -157,9 +155,8 @@ def _pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad):  # 
 @numba.njit(**SERIAL_ORDERED)
 def _powers(t, lad, t0, pw):  # pragma: no cover - compiled
     """Per row of tile t (its packed ladder base ``lad[t]``): t0 = 2^lo and pw[p] = ratio^(2^p),
-    the ratio multiplied in one factor
-    at a time like the codec's ladder, so rung c = t0·Π pw[p]^bit_p(c) is within a few ulps of
-    the ladder's iterated product.
+    the ratio multiplied in one factor at a time like the codec's ladder, so rung
+    c = t0·Π pw[p]^bit_p(c) is within a few ulps of the ladder's iterated product.
 
     The chain of 15 dependent multiplies runs across the 64 rows at once (straight-line code
     over a row index, which LLVM vectorizes; no reassociation, so the same products in the same
