@@ -12,8 +12,8 @@ needs). Every measurement runs in a fresh process; the matrix is interleaved rou
 median and the best round. The host's streaming bandwidth is probed before and after the matrix
 (an f32 mat-vec over 256 MB on 2 threads, fresh process): the shared machine's bandwidth moves
 with the other tenants, so 2-thread decode is reported against the issue's 45 GB/s bound and
-against what the host delivered in the same run. ``--compare`` rows come from ``cmf bench --compare`` (cmf.tools.
-bench_compare): pycmf, transformers and llama.cpp interleaved, medians. TTFT: wall time from
+against what the host delivered in the same run. ``--compare`` rows come from ``cmf bench
+--compare`` (cmf.tools.bench_compare): pycmf, transformers and llama.cpp interleaved, medians. TTFT: wall time from
 spawning ``python`` to the first generated token (imports, load, 32-token prefill, argmax),
 with the numba cache warm and with an empty one (``NUMBA_CACHE_DIR`` pointed at a fresh folder).
 ``--write`` appends a dated ``### run`` to ``## runtime`` of RESULTS.md.
@@ -236,10 +236,10 @@ def mask_residency(path: Path) -> dict:
 def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> str:
     out = []
     rows = []
+    host = sum(host_bw) / len(host_bw)
     for q, p in files.items():
         bpt = bytes_per_token(p)
         bound = BANDWIDTH / bpt
-        host = sum(host_bw) / len(host_bw)
         for t in (1, 2):
             rs = runs[(q, t)]
             dec = [r["decode_tps"] for r in rs]

@@ -124,7 +124,7 @@ class FusedLinear:
         """Row ``row`` as [1, in] float32 (:meth:`dequant_rows` of one index, with one bounds
         check instead of the general index validation: a decode step's embedding lookup)."""
         if not 0 <= row < self.out_features:
-            raise BoundsError(f"tensor {self.name!r}: row index {row} is outside 0..{self.out_features - 1}")
+            raise self._outside(row)
         out = np.empty((1, self.in_features), np.float32)
         if out.size:
             self._dequant_rows(np.array([row], np.int64), out, False)
@@ -143,9 +143,11 @@ class FusedLinear:
             raise BoundsError(f"tensor {self.name!r}: rows must be integer indices")
         idx = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.out_features):
-            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-            raise BoundsError(f"tensor {self.name!r}: row index {bad} is outside 0..{self.out_features - 1}")
+            raise self._outside(int(idx.min()) if int(idx.min()) < 0 else int(idx.max()))
         return idx
+
+    def _outside(self, row: int) -> BoundsError:
+        return BoundsError(f"tensor {self.name!r}: row index {row} is outside 0..{self.out_features - 1}")
 
     def _tile_rows(self) -> int:
         return max(8, min(1024, TILE_BYTES // max(4 * self.in_features, 1)))

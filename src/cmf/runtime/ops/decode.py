@@ -46,21 +46,19 @@ def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
 
 
 @numba.njit(**_EXACT)
-def add_norm_into(x, a, w, eps, out):  # pragma: no cover - compiled
-    """x += a, then :func:`rms_norm_into` of x into ``out``: a layer's residual add and the next
-    norm in one call (the same additions and the same norm as the two steps apart)."""
-    for t in range(x.shape[0]):
-        for i in range(x.shape[1]):
-            x[t, i] += a[t, i]
-    rms_norm_into(x, w, eps, out)
-
-
-@numba.njit(**_EXACT)
 def add_into(x, a):  # pragma: no cover - compiled
     """x += a (a numpy in-place add costs a few µs of dispatch a call, cold in a token step)."""
     for t in range(x.shape[0]):
         for i in range(x.shape[1]):
             x[t, i] += a[t, i]
+
+
+@numba.njit(**_EXACT)
+def add_norm_into(x, a, w, eps, out):  # pragma: no cover - compiled
+    """x += a, then :func:`rms_norm_into` of x into ``out``: a layer's residual add and the next
+    norm in one call (the same additions and the same norm as the two steps apart)."""
+    add_into(x, a)
+    rms_norm_into(x, w, eps, out)
 
 
 @numba.njit(**_EXACT)
