@@ -124,8 +124,7 @@ def _resident_child(path: str, task: str | None) -> None:
                 inside = lo <= base < hi
             elif inside and head == "Rss:":
                 rss += int(line.split()[1]) * 1024
-    gathered = sum(b.ffn._down_live[0].tensor.nbytes for b in m._blocks
-                   if getattr(b.ffn, "_down_live", None) is not None)
+    gathered = sum(b.ffn._masked.nbytes for b in m._blocks if getattr(b.ffn, "_masked", None) is not None)
     print(json.dumps({"read_ffn": read["ffn"], "read_other": read["other"], "ffn_bytes": total["ffn"],
                       "mapped": rss, "gathered": gathered}))
 

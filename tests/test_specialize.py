@@ -28,7 +28,7 @@ from cmf.format.constants import Feature  # noqa: E402
 from cmf.format.masks import MaskSet, TaskMask, mask_layout  # noqa: E402
 from cmf.format.reader import open as cmf_open  # noqa: E402
 from cmf.format.writer import CmfWriter  # noqa: E402
-from cmf.quant.columns import gather_columns  # noqa: E402
+from cmf.quant.columns import gather_columns, gather_rows  # noqa: E402
 from cmf.runtime.ops.moe import Routing, route  # noqa: E402
 from cmf.tools.defrag import defrag  # noqa: E402
 from cmf.tools.mask_create import create_mask  # noqa: E402
@@ -152,11 +152,11 @@ def test_task_switching_is_cheap_and_reversible(qwen3):
     with cmf.load(qwen3, task="half") as m:
         half = m.logits(ids)
         blocks, file = list(m._blocks), m.file
-        gathered = [b.ffn._down_live for b in m._blocks]
+        gathered = [b.ffn._masked for b in m._blocks]
         m.select(task="heads")
         m.logits(ids)
-        m.select(task="half")  # back: the down gathers of "half" are reused, nothing is rebuilt
-        assert [b.ffn._down_live for b in m._blocks] == gathered
+        m.select(task="half")  # back: the gathers of "half" are reused, nothing is rebuilt
+        assert [b.ffn._masked for b in m._blocks] == gathered
         assert m._blocks == blocks and m.file is file
         assert np.array_equal(m.logits(ids), half)
         m.select()
@@ -245,6 +245,92 @@ def test_loop_masks_are_read_per_visit(qwen3, tmp_path):
         assert np.array_equal(m.logits(ids), ref.logits(ids))
 
 
+@pytest.mark.parametrize("quant_", ["q8", "q4tp"])
+def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(tmp_path, quant_):
+    """One token at a time under a mask: the step's gate/up/down are the gathered live matrices in
+    grouped products (q4tp: group-gathered down columns with positions), the values those of the
+    reference kernels."""
+    src = H.converted("qwen3", quant_)
+    with cmf_open(src) as f:
+        mask = random_mask(f.arch, "half", seed=2)
+    path = with_masks(src, tmp_path / "m.cmf", [mask])
+    ids = O.prompt(9, 10)
+    with cmf.load(path, task="half", reference_kernels=True) as m:
+        ref = m.logits(ids)
+    with cmf.load(path, task="half") as m:
+        cache = m.new_cache()
+        steps = np.stack([m.forward([t], cache)[0] for t in ids])
+        for b in m._blocks:
+            lf, prod = b._step.ffn._masked
+            assert lf is b.ffn.live() and prod is not None
+            assert lf.gate.out_features == lf.up.out_features == int(mask.ffn[b.plan.index].sum())
+            assert (lf.positions is None) == (quant_ == "q8")
+    np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
+
+
+def _present_pages(addr: int, length: int) -> np.ndarray:
+    """Whether each 4 KiB page of [addr, addr + length) is mapped into this process (pagemap bit
+    63; readable without privileges, which only hides the frame numbers)."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    first, last = addr // page, (addr + length - 1) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        raw = np.frombuffer(fh.read((last - first + 1) * 8), "<u8")
+    return (raw >> np.uint64(63)) & np.uint64(1) == 1
+
+
+def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
+    """q8 rows of 512 bytes (eight to a page, so almost every page holds a live row of a random
+    half): after a masked prefill and decode, no page of gate/up/down is mapped any more — the
+    live rows and columns were gathered and the mapped pages given back — while unmasked they
+    all are. Pages within 64 KiB of a tensor's ends are left out: the kernel's fault-around maps
+    cached neighbours of another tensor's faulting page."""
+    import os
+
+    if not os.access("/proc/self/pagemap", os.R_OK):
+        pytest.skip("no /proc/self/pagemap")
+    rng = np.random.default_rng(3)
+    hidden, inter, layers = 512, 2048, 2
+    arch = {"arch_name": "qwen3", "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
+            "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 64, "vocab_size": 256,
+            "layer_types": ["FullAttention"] * layers, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
+            "norm_style": "qwen", "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu"}
+    path = tmp_path / "wide.cmf"
+    with CmfWriter(path, {"format": "cmf", "version": 2, "arch": arch, "quant_type": "Q8_ROW"}) as w:
+        def add(name, r, c):
+            w.add_array(name, (rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32), "q8_row")
+        add("model.embed_tokens.weight", 256, hidden)
+        w.add_array("model.norm.weight", 1 + 0.1 * rng.standard_normal(hidden).astype(np.float32), "f32")
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                w.add_array(p + n + ".weight", 1 + 0.1 * rng.standard_normal(hidden).astype(np.float32), "f32")
+            for n, r, c in (("q", 256, hidden), ("k", 128, hidden), ("v", 128, hidden), ("o", hidden, 256)):
+                add(f"{p}self_attn.{n}_proj.weight", r, c)
+            for n, r, c in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+                add(f"{p}mlp.{n}_proj.weight", r, c)
+    with cmf_open(path) as f:
+        mask = random_mask(f.arch, "half", seed=4)
+    masked = with_masks(path, tmp_path / "masked.cmf", [mask])
+    margin = 64 << 10
+
+    def ffn_present(task):
+        with cmf.load(masked, task=task) as m:
+            cache = m.new_cache()
+            logits = m.prefill(list(range(5, 21)), cache)
+            for _ in range(6):
+                logits = m.forward([int(np.argmax(logits))], cache)
+            base = m.file._parts[0].u8.ctypes.data
+            return np.concatenate([_present_pages(base + t.offset + margin, t.nbytes - 2 * margin)
+                                   for t in m.file.tensors() if ".mlp." in t.name])
+
+    unmasked, half = ffn_present(None), ffn_present("half")
+    assert unmasked.size > 1000 and unmasked.mean() > 0.99
+    assert not half.any()
+
+
 # ----------------------------------------------------------------------------- column gathers
 
 
@@ -260,6 +346,30 @@ def test_gather_columns_equals_decode_then_slice(dtype):
     got = quant.decode(sub.payload, sub.dtype, sub.shape)[:, sub.positions]
     assert np.array_equal(got, quant.decode(buf, dtype, w.shape)[:, cols])
     assert sub.payload.size < buf.size or dtype in ("q4_block", "q4_tiled", "q1", "q4tp", "q2tp")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q1", "q4tp",
+                                   "q2tp"])
+def test_gather_rows_equals_decode_then_slice(dtype):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((40, 128)).astype(np.float32)
+    rows = np.sort(rng.choice(40, 17, replace=False))
+    buf = np.frombuffer(w.tobytes() if dtype == "f32" else quant.encode(w, dtype), np.uint8)
+    sub = gather_rows(buf, quant.resolve_dtype(dtype), w.shape, rows)
+    assert sub is not None and sub.shape == (17, 128) and sub.payload.size < buf.size // 2
+    assert np.array_equal(quant.decode(sub.payload, sub.dtype, sub.shape), quant.decode(buf, dtype, w.shape)[rows])
+
+
+def test_gather_rows_refuses_what_it_cannot_gather_exactly():
+    w = np.ones((4, 64), np.float32)
+    for dtype in ("vbit", "q1t", "q1s"):
+        assert gather_rows(quant.encode(w, dtype), quant.resolve_dtype(dtype), w.shape, [1, 2]) is None
+    assert gather_rows(quant.encode(np.ones((4, 40), np.float32), "q4_block"), quant.resolve_dtype("q4_block"),
+                       (4, 40), [1]) is None  # groups straddle rows
+    with pytest.raises(ValueError, match="sorted"):
+        gather_rows(w.tobytes(), 0, w.shape, [3, 1])
+    with pytest.raises(ValueError, match="in 0..3"):
+        gather_rows(w.tobytes(), 0, w.shape, [4])
 
 
 def test_gather_columns_refuses_what_it_cannot_gather_exactly():

@@ -1,8 +1,16 @@
-"""Column subsets of a stored matrix, in its own dtype: ``W[:, cols]`` as a new payload.
+"""Row and column subsets of a stored matrix, in its own dtype: ``W[rows]`` or ``W[:, cols]``
+as a new payload.
 
-A task mask's FFN bitfield selects neurons, and a neuron is a COLUMN of ``down_proj``. The
-runtime multiplies only the live columns; to do that at full kernel speed it gathers them once
-per task into a small payload of the same dtype and runs the ordinary fused kernel on it.
+A task mask's FFN bitfield selects neurons: a neuron is a ROW of ``gate_proj``/``up_proj`` and a
+COLUMN of ``down_proj``. The runtime multiplies only the live ones; to do that at full kernel
+speed it gathers them once per task into a small payload of the same dtype and runs the
+ordinary fused kernel on it (and the mapped pages of the full matrices can then be given back).
+
+Rows (:func:`gather_rows`) are exact for every dtype whose rows are separate byte ranges: f32,
+f16, bf16, q8_row, q8_2f (the column field is shared), q4_tiled, q4_block (whole-row groups),
+q1, q4tp, q2tp (planes, ladder params and code bytes per row). vbit, vbit_ro, q1s and q1t: None.
+
+Columns (:func:`gather_columns`):
 
 - Element gather (exact, only live bytes are read): f32, f16, bf16, q8_row (per-row scales are
   kept), q8_2f (per-row scales and the gathered per-column field).
@@ -25,7 +33,7 @@ import numpy as np
 from ..format.constants import GROUP, Dtype
 from .base import Buffer, as_bytes_array, get_codec
 
-__all__ = ["ColumnSubset", "gather_columns"]
+__all__ = ["ColumnSubset", "RowSubset", "gather_columns", "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,60 @@ class ColumnSubset:
     shape: tuple[int, int]
     payload: np.ndarray  # uint8
     positions: np.ndarray  # int64, one per requested column
+
+
+@dataclass(frozen=True)
+class RowSubset:
+    """A gathered payload of whole rows: ``dtype``, ``shape`` (live rows, columns) and its bytes."""
+
+    dtype: Dtype
+    shape: tuple[int, int]
+    payload: np.ndarray  # uint8
+
+
+def _rows_of(a: np.ndarray, rows: int, keep: np.ndarray) -> np.ndarray:
+    """Rows ``keep`` of ``a`` viewed as [rows, -1] bytes, flattened."""
+    return np.ascontiguousarray(a.reshape(rows, -1)[keep]).reshape(-1)
+
+
+def gather_rows(buf: Buffer, dtype: Dtype | int, shape: Sequence[int],
+                rows: Sequence[int] | np.ndarray) -> RowSubset | None:
+    """``W[rows]`` of a stored 2-D payload in the same dtype (only those rows' bytes are read),
+    or None when rows are not separate byte ranges (see the module docstring). ``rows`` must be
+    sorted, unique and in range."""
+    dt = Dtype(int(dtype))
+    n_rows, n = (int(d) for d in shape)
+    keep = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    if keep.size and (keep[0] < 0 or keep[-1] >= n_rows or np.any(np.diff(keep) <= 0)):
+        raise ValueError(f"rows must be sorted, unique and in 0..{n_rows - 1}")
+    u8 = as_bytes_array(buf)
+    get_codec(dt).validate(u8, (n_rows, n))  # a crafted payload must not steer the slicing below
+    new_shape = (int(keep.size), n)
+    if dt in (Dtype.F32, Dtype.F16, Dtype.BF16):
+        size = 4 if dt == Dtype.F32 else 2
+        return RowSubset(dt, new_shape, _rows_of(u8[:n_rows * n * size], n_rows, keep))
+    if dt in (Dtype.Q8_ROW, Dtype.Q8_2F):
+        end = n_rows * n + 2 * n_rows
+        parts = [_rows_of(u8[:n_rows * n], n_rows, keep), _rows_of(u8[n_rows * n:end], n_rows, keep)]
+        if dt == Dtype.Q8_2F:
+            parts.append(u8[end:end + 2 * n])
+        return RowSubset(dt, new_shape, np.concatenate(parts))
+    if n % GROUP:
+        return None  # groups straddle rows: a row is not a byte range of its own
+    gpr = n // GROUP
+    if dt in (Dtype.Q4_TILED, Dtype.Q1):
+        tile = 18 if dt == Dtype.Q4_TILED else 6
+        return RowSubset(dt, new_shape, _rows_of(u8[:n_rows * gpr * tile], n_rows, keep))
+    if dt == Dtype.Q4_BLOCK:
+        a = n_rows * gpr * 16
+        return RowSubset(dt, new_shape, np.concatenate([_rows_of(u8[:a], n_rows, keep),
+                                                        _rows_of(u8[a:a + n_rows * gpr * 2], n_rows, keep)]))
+    if dt in (Dtype.Q4TP, Dtype.Q2TP):
+        planes, params, codes = get_codec(dt).split(u8, (n_rows, n))
+        return RowSubset(dt, new_shape, np.concatenate([
+            _rows_of(planes, n_rows, keep), _rows_of(np.ascontiguousarray(params, "<u2").view(np.uint8), n_rows, keep),
+            _rows_of(codes, n_rows, keep)]))
+    return None
 
 
 def _elements(u8: np.ndarray, rows: int, cols: int, itemsize: int, keep: np.ndarray) -> np.ndarray:

@@ -217,10 +217,25 @@ class DeltaNet:
         return y, [xp[i + 1:i + 1 + km1].copy() for i in range(qkv.shape[0])]
 
 
+class LiveFfn:
+    """The gathered matrices of one FFN mask (runtime/masked.py): ``gate``/``up`` over the live
+    rows (None: that matrix's live rows are multiplied in place), ``down`` over the live columns
+    (``positions``: where live activation k goes in down's input, None when in order)."""
+
+    def __init__(self, gate, up, down, positions: np.ndarray | None) -> None:  # noqa: ANN001 - LinearOps
+        self.gate, self.up, self.down, self.positions = gate, up, down, positions
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered payloads (what the mask keeps resident of the FFN)."""
+        return sum(int(op.tensor.nbytes) for op in (self.gate, self.up, self.down)
+                   if op is not None and hasattr(op, "tensor"))
+
+
 class DenseFfn:
     """SwiGLU/GeGLU FFN. Under a task mask (``set_mask``) only the live neurons run: their rows of
-    gate/up through the row-restricted kernel, and the live columns of down gathered once per mask
-    (runtime/masked.py). Dead neurons are never read."""
+    gate/up and columns of down, each gathered once per mask into an in-memory payload of the
+    same dtype (runtime/masked.py). Dead neurons are never read."""
 
     def __init__(self, f: FfnPlan, w: Weights) -> None:
         self.gate, self.up, self.down = w.linear(f.gate), w.linear(f.up), w.linear(f.down)
@@ -229,48 +244,57 @@ class DenseFfn:
         self.width = f.width
         self._w = w
         self._live: np.ndarray | None = None  # live neuron indices; None = unmasked fast path
-        self._down_live: tuple | None = None  # (LinearOp over the live columns, positions)
+        self._masked: LiveFfn | None = None  # the live matrices of the current mask
         self._key = b""
-        self._cache: dict[bytes, tuple] = {}  # gathered down ops of recent masks (cheap switching back)
+        self._cache: dict[bytes, LiveFfn] = {}  # gathers of recent masks (cheap switching back)
 
     def set_mask(self, keep: np.ndarray | None) -> None:
         """Restrict to the neurons where ``keep`` (bool [width]) is set; None or all-set: no mask."""
         if keep is None or keep.all():
-            self._live, self._down_live = None, None
+            self._live, self._masked = None, None
             return
         live = np.flatnonzero(keep).astype(np.int64)
         if self._live is not None and np.array_equal(live, self._live):
             return
         self._live, self._key = live, np.packbits(keep).tobytes()
-        self._down_live = self._cache.pop(self._key, None)
-        if self._down_live is not None:
-            self._cache[self._key] = self._down_live  # most recently used last
+        self._masked = self._cache.pop(self._key, None)
+        if self._masked is not None:
+            self._cache[self._key] = self._masked  # most recently used last
 
-    def _down_op(self) -> tuple:
-        if self._down_live is None:
-            from .masked import live_columns
+    def live(self) -> LiveFfn:
+        """The current mask's gathered matrices (gathered on first use; ``set_mask`` first)."""
+        if self._masked is None:
+            from .masked import live_columns, live_rows
 
-            self._down_live = live_columns(self.down, self._live, reference=self._w.reference)
+            ref = self._w.reference
+            down, pos = live_columns(self.down, self._live, reference=ref)
+            self._masked = LiveFfn(live_rows(self.gate, self._live, reference=ref),
+                                   live_rows(self.up, self._live, reference=ref), down, pos)
             if len(self._cache) >= 2:  # keep the last two masks' gathers: A -> B -> A costs nothing
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[self._key] = self._down_live
-        return self._down_live
+            self._cache[self._key] = self._masked
+        return self._masked
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         live = self._live
         if live is None:
-            if h.ndim == 2 and self.act_name in ACTS:
-                return mm(self.down, gated_act(mm(self.gate, h), mm(self.up, h), ACTS[self.act_name]))
-            return mm(self.down, self.act(mm(self.gate, h)) * mm(self.up, h))
-        if live.size == 0:
+            gate, up, down, pos = self.gate, self.up, self.down, None
+        elif live.size == 0:
             return np.zeros((*h.shape[:-1], self.down.out_features), np.float32)
-        a = self.act(self.gate.rows(live, h)) * self.up.rows(live, h)
-        down, pos = self._down_op()
+        else:
+            lf = self.live()
+            gate, up, down, pos = lf.gate, lf.up, lf.down, lf.positions
+        g = mm(gate, h) if gate is not None else self.gate.rows(live, h)
+        u = mm(up, h) if up is not None else self.up.rows(live, h)
+        if h.ndim == 2 and self.act_name in ACTS:
+            a = gated_act(g, u, ACTS[self.act_name])
+        else:
+            a = self.act(g) * u
         if pos is not None:  # group-gathered columns: dead neurons inside kept groups get 0
             x = np.zeros((*a.shape[:-1], down.in_features), np.float32)
             x[..., pos] = a
             a = x
-        return down(a)
+        return mm(down, a)
 
 
 class MoeFfn:

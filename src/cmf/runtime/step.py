@@ -112,7 +112,8 @@ class AttnStep:
 
 
 class FfnStep:
-    """Dense gated FFN of one token: gate/up and the activation in one region, then down."""
+    """Dense gated FFN of one token: gate/up and the activation in one region, then down. Under
+    a task mask the same two calls run on the mask's gathered matrices (``DenseFfn.live``)."""
 
     def __init__(self, ffn) -> None:  # noqa: ANN001 - blocks.DenseFfn
         self.ffn = ffn
@@ -120,17 +121,44 @@ class FfnStep:
         self.down = MatvecGroup([ffn.down])
         self.buf = np.empty((1, self.gate_up.out_features), np.float32)
         self.gated = self.buf[:, :self.gate_up.width]  # act(gate)·up: the down projection's input
+        self._masked: tuple = (None, None)  # (the LiveFfn, its products and buffers, or None)
 
     @staticmethod
     def supports(ffn) -> bool:  # noqa: ANN001
         return ffn.act_name in ACTS and ffn.gate.out_features == ffn.up.out_features
 
     def __call__(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
-        if self.ffn._live is not None:  # a task mask: the generic row-restricted path
-            out[...] = self.ffn(h)
-            return out
+        if self.ffn._live is not None:
+            return self._live(h, out, nt)
         self.gate_up(h, self.buf, nt)
         return self.down(self.gated, out, nt)
+
+    def _live(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
+        """The masked FFN: the gathered live matrices through the same grouped products, or the
+        generic path when gate or up could not be gathered (or no neuron is live)."""
+        ffn = self.ffn
+        lf = ffn.live() if ffn._live.size else None
+        if self._masked[0] is not lf:
+            self._masked = (lf, self._live_products(lf))
+        prod = self._masked[1]
+        if prod is None:
+            out[...] = ffn(h)
+            return out
+        gate_up, down, buf, gated, x, pos = prod
+        gate_up(h, buf, nt)
+        if pos is not None:  # group-gathered down columns: live activations at their positions
+            x[0, pos] = gated[0]
+            gated = x
+        return down(gated, out, nt)
+
+    def _live_products(self, lf) -> tuple | None:  # noqa: ANN001 - a blocks.LiveFfn
+        if lf is None or lf.gate is None or lf.up is None:
+            return None
+        gate_up = MatvecGroup([lf.gate, lf.up], act=self.ffn.act_name)
+        buf = np.empty((1, gate_up.out_features), np.float32)
+        # zeros stay at the dead neurons' positions: only live positions are written per token
+        x = np.zeros((1, lf.down.in_features), np.float32) if lf.positions is not None else None
+        return gate_up, MatvecGroup([lf.down]), buf, buf[:, :gate_up.width], x, lf.positions
 
 
 class BlockStep:
