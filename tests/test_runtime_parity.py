@@ -159,12 +159,12 @@ def test_plain_layer_path_equals_the_general_step(kind, quant, monkeypatch):
             out = [m.prefill(ids, c)]
             for t in range(6):
                 out.append(m.forward([int(np.argmax(out[-1]))], c))
-            plain = sum(b._step._bound[1] is not None for b in m._blocks)
+            plain = sum(b._step._bound[2] is not None for b in m._blocks)
         return np.concatenate(out), plain
 
     fast, n_plain = run()
     assert n_plain > 0  # the layers took the plain path
-    monkeypatch.setattr(BlockStep, "_bind", lambda self, nt: None)
+    monkeypatch.setattr(BlockStep, "_bind", lambda self, nt, ffn: None)
     general, n_plain = run()
     assert n_plain == 0
     assert np.array_equal(fast, general)

@@ -248,8 +248,8 @@ def test_loop_masks_are_read_per_visit(qwen3, tmp_path):
 @pytest.mark.parametrize("quant_", ["q8", "q4tp"])
 def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(tmp_path, quant_):
     """One token at a time under a mask: the step's gate/up/down are the gathered live matrices in
-    grouped products (q4tp: group-gathered down columns with positions), the values those of the
-    reference kernels."""
+    grouped products (q4tp: group-gathered down columns with positions; q8: the plain layer
+    path), the values those of the reference kernels."""
     src = H.converted("qwen3", quant_)
     with cmf_open(src) as f:
         mask = random_mask(f.arch, "half", seed=2)
@@ -265,6 +265,8 @@ def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(t
             assert lf is b.ffn.live() and prod is not None
             assert lf.gate.out_features == lf.up.out_features == int(mask.ffn[b.plan.index].sum())
             assert (lf.positions is None) == (quant_ == "q8")
+            # element-gathered columns: the whole layer runs the pre-bound plain path
+            assert (b._step._bound[2] is not None) == (quant_ == "q8")
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
 
 

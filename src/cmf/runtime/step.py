@@ -121,28 +121,29 @@ class FfnStep:
         self.down = MatvecGroup([ffn.down])
         self.buf = np.empty((1, self.gate_up.out_features), np.float32)
         self.gated = self.buf[:, :self.gate_up.width]  # act(gate)·up: the down projection's input
+        self._unmasked = (self.gate_up, self.down, self.buf, self.gated, None, None)
         self._masked: tuple = (None, None)  # (the LiveFfn, its products and buffers, or None)
 
     @staticmethod
     def supports(ffn) -> bool:  # noqa: ANN001
         return ffn.act_name in ACTS and ffn.gate.out_features == ffn.up.out_features
 
-    def __call__(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
-        if self.ffn._live is not None:
-            return self._live(h, out, nt)
-        self.gate_up(h, self.buf, nt)
-        return self.down(self.gated, out, nt)
-
-    def _live(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
-        """The masked FFN: the gathered live matrices through the same grouped products, or the
-        generic path when gate or up could not be gathered (or no neuron is live)."""
+    def products(self) -> tuple | None:
+        """What the FFN runs now: (gate/up group, down group, the gate/up buffer, its act(g)·u
+        half, down's scattered input or None, the live positions in it or None), or None for the
+        generic path (a mask whose gate or up could not be gathered, or no live neuron)."""
         ffn = self.ffn
+        if ffn._live is None:
+            return self._unmasked
         lf = ffn.live() if ffn._live.size else None
         if self._masked[0] is not lf:
             self._masked = (lf, self._live_products(lf))
-        prod = self._masked[1]
+        return self._masked[1]
+
+    def __call__(self, h: np.ndarray, out: np.ndarray, nt: int) -> np.ndarray:
+        prod = self.products()
         if prod is None:
-            out[...] = ffn(h)
+            out[...] = self.ffn(h)
             return out
         gate_up, down, buf, gated, x, pos = prod
         gate_up(h, buf, nt)
@@ -174,25 +175,28 @@ class BlockStep:
         m, f = block.mixer, block.ffn
         self.attn = AttnStep(m) if isinstance(m, Attention) and AttnStep.supports(m) else None
         self.ffn = FfnStep(f) if isinstance(f, DenseFfn) and FfnStep.supports(f) else None
-        self._bound: tuple = (0, None)  # (threads, the bound calls of _bind)
+        self._bound: tuple = (0, None, None)  # (threads, the FFN's products, the bound calls of _bind)
 
-    def _bind(self, nt: int) -> tuple | None:
+    def _bind(self, nt: int, ffn: tuple | None) -> tuple | None:
         """The four products' (function, arguments) with this layer's buffers bound, when the
-        whole layer can run as :meth:`_plain`; else None."""
-        b, at, ff = self.block, self.attn, self.ffn
-        if at is None or ff is None or b.plan.sandwich or b.n_in is None or b.n_post_attn is None:
+        whole layer can run as :meth:`_plain` (``ffn``: the FFN's current products); else None."""
+        b, at = self.block, self.attn
+        if (at is None or ffn is None or ffn[5] is not None or b.plan.sandwich or b.n_in is None
+                or b.n_post_attn is None):
             return None
+        gate_up, down, buf, gated = ffn[:4]
         calls = (at.qkv.bind(self.h, at.buf, nt), at.o.bind(at.att2d, self.a, nt),
-                 ff.gate_up.bind(self.h, ff.buf, nt), ff.down.bind(ff.gated, self.f, nt))
+                 gate_up.bind(self.h, buf, nt), down.bind(gated, self.f, nt))
         return None if any(c is None for c in calls) else calls
 
     def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
         """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
-        if self._bound[0] != nt:
-            self._bound = (nt, self._bind(nt))
-        calls = self._bound[1]
+        ffn = self.ffn.products() if self.ffn is not None else None
+        if self._bound[0] != nt or self._bound[1] is not ffn:  # new thread count or task mask
+            self._bound = (nt, ffn, self._bind(nt, ffn))
+        calls = self._bound[2]
         if (calls is not None and type(state) is LayerKV and state.window is None
-                and self.attn.attn.head_keep is None and self.ffn.ffn._live is None):
+                and self.attn.attn.head_keep is None):
             return self._plain(x, state, pos, nt, calls)
         b = self.block
         eps = b.eps
