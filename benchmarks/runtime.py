@@ -289,7 +289,8 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
                    f"(mincore of the mapping): FFN bytes {h['ffn_bytes'] / mb:.1f} MiB, FFN pages read unmasked "
                    f"{n['read_ffn'] / mb:.1f} MiB vs masked {h['read_ffn'] / mb:.1f} MiB; mapped RSS "
                    f"{n['mapped'] / mb:.1f} → {h['mapped'] / mb:.1f} MiB (+{h['gathered'] / mb:.1f} MiB of gathered "
-                   "down-projection columns).")
+                   "live gate/up rows and down columns; the FFN pages were read once for the gather, then given "
+                   "back).")
     if tiny_rss:
         out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS "
                    f"{tiny_rss:.0f} MB.")

@@ -10,8 +10,8 @@
 3. Resident memory: a fresh process per configuration, the file's pages evicted from the page
    cache first (posix_fadvise DONTNEED), then load + 8-token prefill + 24 decode steps. "read"
    = file pages in the page cache afterwards (mincore: what was ever read, MADV_RANDOM disables
-   read-ahead), "mapped" = RSS of the file mapping (smaps), "gathered" = the live down_proj
-   columns copied per mask. On the base model and on a synthetic wide layer (hidden 4096, q8:
+   read-ahead), "mapped" = RSS of the file mapping (smaps), "gathered" = the live gate/up rows
+   and down_proj columns copied per mask. On the base model and on a synthetic wide layer (hidden 4096, q8:
    one 4 KiB page per gate/up row) with a random 50% mask.
 4. MoE: a seeded random Qwen3-MoE (4 layers, 16 experts, top-2, the base tokenizer), q8. Masks
    from each domain keep the top 0.75 / 0.5 / 0.25 of experts by routing counts; moe-defrag at
