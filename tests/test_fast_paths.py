@@ -87,6 +87,7 @@ def test_matvec_groups_match_the_ops(model, name, tag, parallel, monkeypatch) ->
     x = np.random.default_rng(2).standard_normal((1, ops[0].in_features)).astype(np.float32)
     want = np.concatenate([np.asarray(o(x[0]), np.float64) for o in ops])
     g = MatvecGroup(ops)
+    assert (g.family is None) == name.startswith("q1")  # one parallel region for all but q1/q1s/q1t
     out = np.full((1, g.out_features), np.nan, np.float32)
     _close(g(x, out)[0], want)
     for act, fn in (("silu", activations.silu), ("gelu_pytorch_tanh", activations.gelu_tanh),
@@ -283,6 +284,21 @@ def test_bound_group_call_is_the_group_call(model, name) -> None:
     if g.family.startswith("tiled"):
         wide = np.zeros((1, 512), np.float32)
         assert g.bind(wide[:, ::2], out, 2) is None  # the int8 preparation needs unit stride
+
+
+@pytest.mark.parametrize("name", ["vbit", "vbit_ro"])
+def test_vbit_row_lookup_is_the_codecs_rows(name) -> None:
+    """VbitLinear decodes embedding rows itself (not through the validating codec per token)."""
+    import types
+
+    w = np.random.default_rng(9).standard_normal((70, 128)).astype(np.float32)
+    buf = np.frombuffer(q.encode(w, name), np.uint8)
+    op = prepare(types.SimpleNamespace(numpy=lambda: buf, dtype=q.resolve_dtype(name), shape=w.shape, name=name,
+                                       nbytes=buf.size))
+    rows = np.array([0, 69, 5, 5, 33])
+    assert type(op).__name__ == "VbitLinear"
+    assert np.array_equal(op.dequant_rows(rows), q.decode_rows(buf, name, w.shape, rows))
+    assert np.array_equal(op.dequant_row(7), q.decode_rows(buf, name, w.shape, [7]))
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "q8_row", "q4tp", "q2tp", "vbit", "q1t"])

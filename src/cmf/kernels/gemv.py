@@ -7,10 +7,10 @@ gate and up — in *one* region: each thread takes its chunk of rows of every ma
 gate/up it applies the activation to its own rows (``act(g)·u``) before the region ends. The
 results go into a buffer the caller allocated once, so a token step allocates nothing.
 
-The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``), so values are
-bit-for-bit those of the LinearOps. Matrices of different families, of families without a body
-here (vbit, q1) or the reference path run one after another through their LinearOp (same
-values, more regions).
+The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``, ``vbit``), so
+values are bit-for-bit those of the LinearOps. Matrices of different families, of families
+without a body here (q1) or the reference path run one after another through their LinearOp
+(same values, more regions).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .q4 import _tail_rows, tiles_run
 from .tiled import TiledLinear
 from .xprep import fill_x
 from .q8 import Q8Linear, _fold
+from .vbit import VbitLinear, group_sums, pair_x, vbit_rows
 from .vmath import gated
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu": 2,
@@ -142,6 +143,31 @@ def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no
     _rows_chunk(ws, kind, ss, cols, X, Y, offs, 1, 0, act, width)
 
 
+@numba.njit(**SERIAL)
+def _vbit_chunk(datas, widths, starts, soffs, X, xs, xp, Y, offs, rows, nt, j, act, width):  # pragma: no cover
+    for m in range(len(datas)):
+        r0, r1 = _chunk(widths[m].shape[0], nt, j, 4)
+        vbit_rows(datas[m], widths[m], starts[m], soffs[m], X, xs, xp, Y[:, offs[m]:], rows, r0, r1)
+    if act >= 0:
+        r0, r1 = _chunk(width, nt, j, 4)
+        apply_act(Y, width, act, r0, r1)
+
+
+@numba.njit(**PARALLEL)
+def vbit_group(datas, widths, starts, soffs, X, Y, offs, rows, nt, act, width):  # pragma: no cover - compiled
+    """vbit / vbit_ro matrices times X[0] (x's group sums and deinterleaved copy made once)."""
+    xs = group_sums(X)
+    xp = pair_x(X)
+    for j in prange(nt):
+        _vbit_chunk(datas, widths, starts, soffs, X, xs, xp, Y, offs, rows, nt, j, act, width)
+
+
+@numba.njit(**SERIAL)
+def vbit_group_serial(datas, widths, starts, soffs, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
+    """:func:`vbit_group` on the calling thread."""
+    _vbit_chunk(datas, widths, starts, soffs, X, group_sums(X), pair_x(X), Y, offs, rows, 1, 0, act, width)
+
+
 @numba.njit(**SERIAL_ORDERED)
 def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
                  Y, offs, nt, j, act, width, has_tail):  # pragma: no cover - compiled
@@ -207,6 +233,8 @@ def _family(op) -> str | None:  # noqa: ANN001
         return "q8"
     if isinstance(op, TiledLinear):
         return f"tiled{op.width}"
+    if isinstance(op, VbitLinear):
+        return "vbit"
     return None
 
 
@@ -251,6 +279,9 @@ class MatvecGroup:
             # the arguments around x, built once (the call then only adds x, out and nt)
             self._before = (*self._tup, self._tiles)
             self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)
+        elif self.family == "vbit":
+            self._tup = (tuple(o.data for o in self.ops), tuple(o.widths for o in self.ops),
+                         tuple(o.starts for o in self.ops), tuple(np.int64(o.soff) for o in self.ops))
         elif self.family is not None:
             none = np.zeros(0, np.float32)
             if self.family == "q8":
@@ -271,6 +302,10 @@ class MatvecGroup:
             return None
         if nt > 1 and self.nbytes < _jit.PARALLEL_MIN_BYTES:
             nt = 1
+        if fam == "vbit":
+            if nt > 1:
+                return vbit_group, (*self._tup, x, out, self.offs, self._rows, nt, self.act, self.width)
+            return vbit_group_serial, (*self._tup, x, out, self.offs, self._rows, self.act, self.width)
         if fam in ("q8", "f32") or fam.startswith("half"):
             if nt > 1:
                 return rows_group, (*self._tup, x, out, self.offs, nt, self.act, self.width)

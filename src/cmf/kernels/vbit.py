@@ -2,8 +2,10 @@
 
 Each row has one width b; ``w = (u - L)·s`` with ``L = 2^(b-1) - 1`` and an f16 scale per
 32-group, so a group contributes ``s·(Σ u·x - L·Σx)`` with ``Σx`` per group computed once per
-call. The per-row loop is an LLVM IR kernel per width (``_ir.vbit_dot{3,4,5,6,8}``: 16 codes
-unpacked at a time by constant byte shuffles and per-lane shifts). Row starts come from the
+call. The per-row loop is an LLVM IR kernel per width (``_ir.vbit_dot{3,5,6,8}``: 16 codes
+unpacked at a time by constant byte shuffles and per-lane shifts; width 4, the common one,
+``_ir.vbit_dot4p``: x deinterleaved per group once per call, so a group's high and low nibbles
+are its codes and ``(u - L)`` is formed on the integers). Row starts come from the
 validated layout (vbit: prefix sums of the row widths, vbit_ro: its offset table), kept as one
 int64 per row.
 """
@@ -18,13 +20,14 @@ from ..format.constants import GROUP
 from ..format.dtypes import vbit_layout
 from ..quant import _fast
 from ._base import FusedLinear
-from ._ir import vbit_dot3, vbit_dot4, vbit_dot5, vbit_dot6, vbit_dot8
+from ._ir import vbit_dot3, vbit_dot4p, vbit_dot5, vbit_dot6, vbit_dot8
 from ._jit import PARALLEL, SERIAL, threads
 
 
 @numba.njit(**SERIAL)
-def vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, i1):  # pragma: no cover - compiled
-    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); one IR row kernel per width."""
+def vbit_rows(data, widths, starts, soff, X, xs, xp, Y, rows, i0, i1):  # pragma: no cover - compiled
+    """Y[:, i] = X @ W[rows[i]] for i in [i0, i1); one IR row kernel per width (width 4 reads
+    ``xp``, X deinterleaved per group by :func:`pair_x`; the others X and its group sums)."""
     T, n = X.shape
     gpr = n // GROUP
     for i in range(i0, i1):
@@ -37,7 +40,7 @@ def vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, i1):  # pragma: no
             x = X[t]
             z = xs[t]
             if b == 4:
-                acc = vbit_dot4(data, pos, sbase, gpr, x, z, level)
+                acc = vbit_dot4p(data, pos, sbase, gpr, xp[t])
             elif b == 5:
                 acc = vbit_dot5(data, pos, sbase, gpr, x, z, level)
             elif b == 3:
@@ -53,17 +56,18 @@ def vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, i1):  # pragma: no
 def vbit_rows_par(data, widths, starts, soff, X, Y, rows, nt):  # pragma: no cover
     """vbit_rows over one contiguous chunk of ``rows`` per thread (group sums computed first)."""
     xs = group_sums(X)
+    xp = pair_x(X)
     n = rows.shape[0]
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
-        vbit_rows(data, widths, starts, soff, X, xs, Y, rows, i0, min(n, i0 + step))
+        vbit_rows(data, widths, starts, soff, X, xs, xp, Y, rows, i0, min(n, i0 + step))
 
 
 @numba.njit(**SERIAL)
 def vbit_rows_all(data, widths, starts, soff, X, Y, rows):  # pragma: no cover - compiled
     """vbit_rows over every given row, in one call (group sums included)."""
-    vbit_rows(data, widths, starts, soff, X, group_sums(X), Y, rows, 0, rows.shape[0])
+    vbit_rows(data, widths, starts, soff, X, group_sums(X), pair_x(X), Y, rows, 0, rows.shape[0])
 
 
 @numba.njit(**SERIAL)
@@ -78,6 +82,31 @@ def group_sums(X):  # pragma: no cover - compiled
                 tot += X[t, g * GROUP + k]
             xs[t, g] = tot
     return xs
+
+
+@numba.njit(**SERIAL)
+def pair_x(X):  # pragma: no cover - compiled
+    """X with each 32-group deinterleaved: the even features first, then the odd ones (the order
+    of a width-4 group's high and low nibbles, ``_ir.vbit_dot4p``)."""
+    T, n = X.shape
+    out = np.empty_like(X)
+    for t in range(T):
+        for g in range(n // GROUP):
+            base = g * GROUP
+            for j in range(GROUP // 2):
+                out[t, base + j] = X[t, base + 2 * j]
+                out[t, base + GROUP // 2 + j] = X[t, base + 2 * j + 1]
+    return out
+
+
+@numba.njit(**SERIAL)
+def vbit_dequant_rows(data, widths, starts, soff, table, rows, out):  # pragma: no cover - compiled
+    """out[i] = row rows[i] as float32 through the codec's own row decoder (exact codec values)."""
+    n = out.shape[1]
+    gpr = n // GROUP
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        _fast._vbit_range(data, widths[r:r + 1], starts[r:r + 1], soff + 2 * r * gpr, table, n, out[i:i + 1], 0, 1)
 
 
 class VbitLinear(FusedLinear):
@@ -101,6 +130,10 @@ class VbitLinear(FusedLinear):
         gpr = self.in_features // GROUP
         _fast._vbit_range(self.data, self.widths[r0:r1], self.starts[r0:r1], self.soff + 2 * r0 * gpr,
                           _fast.F16_TABLE, self.in_features, out, 0, r1 - r0)
+
+    def _dequant_rows(self, rows, out, par):
+        # not the codec's validating decode_rows: an embedding lookup per decoded token (~2 ms)
+        vbit_dequant_rows(self.data, self.widths, self.starts, self.soff, _fast.F16_TABLE, rows, out)
 
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)
