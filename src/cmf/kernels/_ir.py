@@ -5,7 +5,7 @@ are cheapest as lane masks; numba types all integer arithmetic as int64 and LLVM
 these loops scalar (measured 0.5–0.9 GB/s). Each intrinsic here emits one row's loop over its
 32-weight groups with explicit 16-lane vectors:
 
-- ``vbit_dot{3,4,5,6,8}``: 16 codes of width b are 2b bytes; a constant shuffle gathers, for
+- ``vbit_dot{3,5,6,8}``: 16 codes of width b are 2b bytes; a constant shuffle gathers, for
   each lane, the byte holding the code's first bit and the next one, a per-lane shift and mask
   extract the code (MSB-first bit order), and the lanes multiply-add into a vector accumulator
   scaled by the group's f16 scale.
@@ -170,7 +170,6 @@ def vbit_dot4p(typingctx, data, pos, soff, gpr, xp):  # noqa: ANN001
 
 
 vbit_dot3 = _make_vbit_dot(3)
-vbit_dot4 = _make_vbit_dot(4)
 vbit_dot5 = _make_vbit_dot(5)
 vbit_dot6 = _make_vbit_dot(6)
 vbit_dot8 = _make_vbit_dot(8)
