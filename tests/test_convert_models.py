@@ -44,13 +44,13 @@ def expected(kind: str, folder, model=None) -> dict[str, np.ndarray]:
         if kind in ("deepseek_v3", "glm4_moe"):
             n = n.replace("mlp.shared_experts.", "mlp.shared_expert.").replace("mlp.gate.e_score_correction_bias",
                                                                               "mlp.expert_bias")
-        if kind == "phi3" and n.endswith("qkv_proj.weight"):
+        if kind.startswith("phi3") and n.endswith("qkv_proj.weight"):
             q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
             kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
             p = n[: -len("qkv_proj.weight")]
             out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = t[:q], t[q:q + kv], t[q + kv:]
             continue
-        if kind == "phi3" and n.endswith("gate_up_proj.weight"):
+        if kind.startswith("phi3") and n.endswith("gate_up_proj.weight"):
             p = n[: -len("gate_up_proj.weight")]
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.chunk(2, dim=0)
             continue

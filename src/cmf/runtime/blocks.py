@@ -15,7 +15,7 @@ from .ops import attention_block, gdn
 from .ops.activations import activation
 from .ops.attention import attend
 from .ops.linear import mm
-from .ops.rowwise import gated_act, rms_norm_rows
+from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows
 from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
@@ -82,13 +82,10 @@ class Attention:
         if self.vb is not None:
             v += self.vb
         v = v.reshape(t, a.kv_heads, a.v_head_dim)
-        if self.qn is not None:
-            q = rms_norm_rows(q.reshape(-1, a.head_dim), self.qn, self.eps).reshape(q.shape)
-        if self.kn is not None:
-            k = rms_norm_rows(k.reshape(-1, a.head_dim), self.kn, self.eps).reshape(k.shape)
         cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
-        q = apply_rope(np.array(q, dtype=np.float32), cos, sin)
-        k = apply_rope(np.array(k, dtype=np.float32), cos, sin)
+        # q and k are this call's own arrays (fresh products): normalized and rotated in place
+        q, k = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k, dtype=np.float32)
+        qk_norm_rope_rows(q, k, self.qn, self.kn, self.eps, cos, sin)
         keys, vals, k0 = kv.append(k, v)
         if t >= BLOCKED_ATTENTION_T and attention_block.supported():
             out = attention_block.attend_blocked(q, keys, vals, pos0, k0, scale=a.scale, window=a.window,

@@ -1,4 +1,5 @@
-"""Row-parallel elementwise kernels for blocks of tokens (prefill): RMSNorm and the gated activation.
+"""Row-parallel elementwise kernels for blocks of tokens (prefill): RMSNorm, the gated activation,
+and the q/k norm + RoPE of attention.
 
 numpy evaluates ``x / (1 + exp(−x)) · u`` over a [512, 3072] block in five passes with four
 temporaries and a scalar exp per element; these run one pass, 16 lanes wide (kernels/vmath.py),
@@ -12,7 +13,7 @@ import numpy as np
 from numba import prange
 
 from ...kernels.vmath import gated
-from .decode import rms_norm_into
+from .decode import qk_norm_rope, rms_norm_into
 
 _PAR = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True,
         "fastmath": {"contract", "nsz", "arcp", "reassoc"}}
@@ -53,6 +54,26 @@ def gated_act(g: np.ndarray, u: np.ndarray, act: int) -> np.ndarray:
 
 
 _EMPTY = np.zeros(0, np.float32)
+
+
+@numba.njit(**_EXACT_PAR)
+def _qk_norm_rope_rows(q, k, qn, kn, eps, cos, sin, nt):  # pragma: no cover - compiled
+    T = q.shape[0]
+    step = (T + nt - 1) // nt
+    for j in prange(nt):
+        for t in range(j * step, min(T, (j + 1) * step)):
+            qk_norm_rope(q[t], k[t], qn, kn, eps, cos[t], sin[t])
+
+
+def qk_norm_rope_rows(q: np.ndarray, k: np.ndarray, qn: np.ndarray | None, kn: np.ndarray | None, eps: float,
+                      cos: np.ndarray, sin: np.ndarray) -> None:
+    """The per-head q/k RMSNorm (where a weight is given) and RoPE of a block of tokens, in place:
+    q [T, H, D] and k [T, KV, D] C-contiguous float32, cos/sin [T, rotary_dim]. Each token is the
+    decode step's ``qk_norm_rope`` — the values of ``rms_norm_rows`` then ``rope.apply_rope``,
+    without their copies and temporaries (~2 ms a layer at T = 256)."""
+    _qk_norm_rope_rows(q, k, _EMPTY if qn is None else qn, _EMPTY if kn is None else kn, float(eps),
+                       np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+                       _threads(q.size))
 
 
 def rms_norm_rows(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
