@@ -270,6 +270,25 @@ def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(t
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
 
 
+def test_masked_gathers_are_prepared_like_the_models_own_ops(tmp_path):
+    """Under int8 activations the gathered 4-bit matrices take int8 activations too (one piece),
+    and the masked decode matches the unmasked-path kernels' values within int8 rounding."""
+    src = H.converted("qwen3", "q4tp")
+    with cmf_open(src) as f:
+        mask = random_mask(f.arch, "half", seed=5)
+    path = with_masks(src, tmp_path / "m.cmf", [mask])
+    ids = O.prompt(10, 6)
+    with cmf.load(path, task="half", int8_activations=True) as m:
+        cache = m.new_cache()
+        steps = np.stack([m.forward([t], cache)[0] for t in ids])
+        for b in m._blocks:
+            lf = b.ffn.live()
+            assert lf.gate.pieces == lf.up.pieces == lf.down.pieces == b.ffn.gate.pieces == 1
+    with cmf.load(path, task="half", reference_kernels=True) as m:
+        ref = m.logits(ids)
+    assert np.abs(steps - ref).max() < 0.05 * np.abs(ref).max()
+
+
 def _present_pages(addr: int, length: int) -> np.ndarray:
     """Whether each 4 KiB page of [addr, addr + length) is mapped into this process (pagemap bit
     63; readable without privileges, which only hides the frame numbers)."""

@@ -263,10 +263,11 @@ class DenseFfn:
         if self._masked is None:
             from .masked import live_columns, live_rows
 
-            ref = self._w.reference
-            down, pos = live_columns(self.down, self._live, reference=ref)
-            self._masked = LiveFfn(live_rows(self.gate, self._live, reference=ref),
-                                   live_rows(self.up, self._live, reference=ref), down, pos)
+            # prepared as the model's own ops: reference kernels, int8 activations
+            kw = {"reference": self._w.reference, "int8_activations": self._w.int8}
+            down, pos = live_columns(self.down, self._live, **kw)
+            self._masked = LiveFfn(live_rows(self.gate, self._live, **kw), live_rows(self.up, self._live, **kw),
+                                   down, pos)
             if len(self._cache) >= 2:  # keep the last two masks' gathers: A -> B -> A costs nothing
                 self._cache.pop(next(iter(self._cache)))
             self._cache[self._key] = self._masked

@@ -42,12 +42,14 @@ class MemTensor:
         return self._u8
 
 
-def live_columns(op, cols: np.ndarray, *, reference: bool = False) -> tuple[object, np.ndarray | None]:
+def live_columns(op, cols: np.ndarray, *, reference: bool = False,
+                 int8_activations: bool = False) -> tuple[object, np.ndarray | None]:
     """(LinearOp over ``W[:, cols]`` or a superset of it, positions) for the LinearOp ``op``.
 
     ``positions`` is None when the op takes exactly the live activations in order; otherwise the
     op takes a wider vector and live activation k goes to column ``positions[k]`` (zeros elsewhere).
     An op that is not over stored bytes (a blend's working tensor) gives its dense columns.
+    ``reference`` / ``int8_activations``: as the model's own LinearOps (``kernels.prepare``).
     """
     from ..quant import decode
     from ..quant.columns import gather_columns
@@ -56,7 +58,8 @@ def live_columns(op, cols: np.ndarray, *, reference: bool = False) -> tuple[obje
     tensor = getattr(op, "tensor", None)
     if tensor is None or not hasattr(tensor, "numpy"):
         w = np.ascontiguousarray(op.dense()[:, cols], dtype=np.float32)
-        return kernels.prepare(MemTensor("live", Dtype.F32, w.shape, w.view(np.uint8)), reference=reference), None
+        return kernels.prepare(MemTensor("live", Dtype.F32, w.shape, w.view(np.uint8)), reference=reference,
+                               int8_activations=int8_activations), None
     buf = tensor.numpy()
     sub = gather_columns(buf, tensor.dtype, tensor.shape, cols)
     if sub is None:
@@ -69,10 +72,11 @@ def live_columns(op, cols: np.ndarray, *, reference: bool = False) -> tuple[obje
         sub_t = MemTensor(tensor.name + "[live]", sub.dtype, sub.shape, sub.payload)
         positions = None if np.array_equal(sub.positions, np.arange(cols.size)) else sub.positions
     release_pages(buf)
-    return kernels.prepare(sub_t, reference=reference), positions
+    return kernels.prepare(sub_t, reference=reference, int8_activations=int8_activations), positions
 
 
-def live_rows(op, rows: np.ndarray, *, reference: bool = False):  # noqa: ANN001, ANN201 - LinearOps
+def live_rows(op, rows: np.ndarray, *, reference: bool = False,  # noqa: ANN001, ANN201 - LinearOps
+              int8_activations: bool = False):
     """A LinearOp over ``W[rows]`` gathered from the stored bytes of ``op``, or None when the
     dtype has no exact row gather or ``op`` is not over stored bytes (the caller then multiplies
     the live rows in place). The mapped pages of ``op``'s payload are given back after a gather."""
@@ -87,7 +91,7 @@ def live_rows(op, rows: np.ndarray, *, reference: bool = False):  # noqa: ANN001
         return None
     release_pages(buf)
     return kernels.prepare(MemTensor(tensor.name + "[live rows]", sub.dtype, sub.shape, sub.payload),
-                           reference=reference)
+                           reference=reference, int8_activations=int8_activations)
 
 
 def _mapped(a: np.ndarray) -> bool:
