@@ -352,11 +352,12 @@ def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
     assert not half.any()
 
 
-# ----------------------------------------------------------------------------- column gathers
+# ----------------------------------------------------------------------------- row and column gathers
+
+GATHERED = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q1", "q4tp", "q2tp"]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q1", "q4tp",
-                                   "q2tp"])
+@pytest.mark.parametrize("dtype", GATHERED)
 def test_gather_columns_equals_decode_then_slice(dtype):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((40, 128)).astype(np.float32)
@@ -369,8 +370,7 @@ def test_gather_columns_equals_decode_then_slice(dtype):
     assert sub.payload.size < buf.size or dtype in ("q4_block", "q4_tiled", "q1", "q4tp", "q2tp")
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q1", "q4tp",
-                                   "q2tp"])
+@pytest.mark.parametrize("dtype", GATHERED)
 def test_gather_rows_equals_decode_then_slice(dtype):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((40, 128)).astype(np.float32)

@@ -56,6 +56,20 @@ class RowSubset:
     payload: np.ndarray  # uint8
 
 
+def _checked(buf: Buffer, dtype: Dtype | int, shape: tuple[int, int], idx, limit: int,
+             what: str) -> tuple[Dtype, np.ndarray, np.ndarray]:
+    """(dtype, payload bytes, indices as int64) after checking that the indices are sorted, unique
+    and below ``limit`` and that the payload is valid for ``shape``: a crafted payload must not
+    steer the slicing that follows."""
+    dt = Dtype(int(dtype))
+    keep = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+    if keep.size and (keep[0] < 0 or keep[-1] >= limit or np.any(np.diff(keep) <= 0)):
+        raise ValueError(f"{what} must be sorted, unique and in 0..{limit - 1}")
+    u8 = as_bytes_array(buf)
+    get_codec(dt).validate(u8, shape)
+    return dt, u8, keep
+
+
 def _rows_of(a: np.ndarray, rows: int, keep: np.ndarray) -> np.ndarray:
     """Rows ``keep`` of ``a`` viewed as [rows, -1] bytes, flattened."""
     return np.ascontiguousarray(a.reshape(rows, -1)[keep]).reshape(-1)
@@ -66,13 +80,8 @@ def gather_rows(buf: Buffer, dtype: Dtype | int, shape: Sequence[int],
     """``W[rows]`` of a stored 2-D payload in the same dtype (only those rows' bytes are read),
     or None when rows are not separate byte ranges (see the module docstring). ``rows`` must be
     sorted, unique and in range."""
-    dt = Dtype(int(dtype))
     n_rows, n = (int(d) for d in shape)
-    keep = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
-    if keep.size and (keep[0] < 0 or keep[-1] >= n_rows or np.any(np.diff(keep) <= 0)):
-        raise ValueError(f"rows must be sorted, unique and in 0..{n_rows - 1}")
-    u8 = as_bytes_array(buf)
-    get_codec(dt).validate(u8, (n_rows, n))  # a crafted payload must not steer the slicing below
+    dt, u8, keep = _checked(buf, dtype, (n_rows, n), rows, n_rows, "rows")
     new_shape = (int(keep.size), n)
     if dt in (Dtype.F32, Dtype.F16, Dtype.BF16):
         size = 4 if dt == Dtype.F32 else 2
@@ -117,13 +126,8 @@ def gather_columns(buf: Buffer, dtype: Dtype | int, shape: Sequence[int],
                    cols: Sequence[int] | np.ndarray) -> ColumnSubset | None:
     """``W[:, cols]`` of a stored 2-D payload in the same dtype, or None when the dtype has no
     exact gather (see the module docstring). ``cols`` must be sorted, unique and in range."""
-    dt = Dtype(int(dtype))
     rows, n = (int(d) for d in shape)
-    cols = np.ascontiguousarray(cols, dtype=np.int64).reshape(-1)
-    if cols.size and (cols[0] < 0 or cols[-1] >= n or np.any(np.diff(cols) <= 0)):
-        raise ValueError(f"columns must be sorted, unique and in 0..{n - 1}")
-    u8 = as_bytes_array(buf)
-    get_codec(dt).validate(u8, (rows, n))  # a crafted payload must not steer the slicing below
+    dt, u8, cols = _checked(buf, dtype, (rows, n), cols, n, "columns")
     ident = np.arange(cols.size, dtype=np.int64)
     if dt in (Dtype.F32, Dtype.F16, Dtype.BF16):
         size = 4 if dt == Dtype.F32 else 2
