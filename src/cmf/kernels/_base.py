@@ -57,6 +57,9 @@ class FusedLinear:
         self.dtype = tensor.dtype
         self.out_features, self.in_features = (int(d) for d in tensor.shape)
         self.nbytes = int(tensor.nbytes)
+        # the work of one product in payload bytes of a bandwidth-bound kernel, for the choice
+        # of a parallel region (families whose kernels compute far longer per byte raise it)
+        self.work = self.nbytes
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.name!r} {self.dtype.label} "
@@ -87,7 +90,7 @@ class FusedLinear:
             Y = np.empty((T, self.out_features), np.float32)
             if Y.size:
                 if self.in_features:
-                    self._matmul(X, Y, parallel_for(self.nbytes * T))
+                    self._matmul(X, Y, parallel_for(self.work * T))
                 else:
                     Y[...] = 0
         else:
@@ -103,7 +106,7 @@ class FusedLinear:
             Y = np.empty((T, idx.size), np.float32)
             if Y.size:
                 if self.in_features:
-                    work = self.nbytes * T * idx.size // max(self.out_features, 1)
+                    work = self.work * T * idx.size // max(self.out_features, 1)
                     self._matmul_rows(idx, X, Y, parallel_for(work))
                 else:
                     Y[...] = 0

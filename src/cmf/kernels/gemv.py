@@ -7,10 +7,10 @@ gate and up — in *one* region: each thread takes its chunk of rows of every ma
 gate/up it applies the activation to its own rows (``act(g)·u``) before the region ends. The
 results go into a buffer the caller allocated once, so a token step allocates nothing.
 
-The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``, ``vbit``), so
-values are bit-for-bit those of the LinearOps. Matrices of different families, of families
-without a body here (q1) or the reference path run one after another through their LinearOp
-(same values, more regions).
+The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``, ``vbit``, ``q1``),
+so values are bit-for-bit those of the LinearOps. Matrices of different families, q1t (its
+tiles and overlay run through its LinearOp) or the reference path run one after another through
+their LinearOp (same values, more regions).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .q4 import _tail_rows, tiles_run
 from .tiled import TiledLinear
 from .xprep import fill_x
 from .q8 import Q8Linear, _fold
+from .q1 import Q1Linear, q1_rows
 from .vbit import VbitLinear, group_sums, pair_x, vbit_rows
 from .vmath import gated
 
@@ -168,6 +169,30 @@ def vbit_group_serial(datas, widths, starts, soffs, X, Y, offs, rows, act, width
     _vbit_chunk(datas, widths, starts, soffs, X, group_sums(X), pair_x(X), Y, offs, rows, 1, 0, act, width)
 
 
+@numba.njit(**SERIAL)
+def _q1_chunk(kinds, tiles, ptrs, ents, X, xs, Y, offs, rows, nt, j, act, width):  # pragma: no cover
+    for m in range(len(tiles)):
+        r0, r1 = _chunk(tiles[m].shape[0], nt, j, 4)
+        q1_rows(kinds[m], tiles[m], ptrs[m], ents[m], X, xs, Y[:, offs[m]:], rows, r0, r1)
+    if act >= 0:
+        r0, r1 = _chunk(width, nt, j, 4)
+        apply_act(Y, width, act, r0, r1)
+
+
+@numba.njit(**PARALLEL)
+def q1_group(kinds, tiles, ptrs, ents, X, Y, offs, rows, nt, act, width):  # pragma: no cover - compiled
+    """q1 / q1s matrices (sign-bit groups read in place) times X[0] (x's group sums made once)."""
+    xs = group_sums(X)
+    for j in prange(nt):
+        _q1_chunk(kinds, tiles, ptrs, ents, X, xs, Y, offs, rows, nt, j, act, width)
+
+
+@numba.njit(**SERIAL)
+def q1_group_serial(kinds, tiles, ptrs, ents, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
+    """:func:`q1_group` on the calling thread."""
+    _q1_chunk(kinds, tiles, ptrs, ents, X, group_sums(X), Y, offs, rows, 1, 0, act, width)
+
+
 @numba.njit(**SERIAL_ORDERED)
 def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
                  Y, offs, nt, j, act, width, has_tail):  # pragma: no cover - compiled
@@ -235,6 +260,8 @@ def _family(op) -> str | None:  # noqa: ANN001
         return f"tiled{op.width}"
     if isinstance(op, VbitLinear):
         return "vbit"
+    if isinstance(op, Q1Linear) and op.tiled is None:  # q1t runs its tiles (and overlay) itself
+        return "q1"
     return None
 
 
@@ -259,6 +286,7 @@ class MatvecGroup:
             raise ValueError("a gated activation needs two matrices of the same shape (gate, up)")
         self.width = self.sizes[0] if act is not None else 0
         self.nbytes = sum(int(getattr(o, "nbytes", 0)) for o in self.ops)
+        self.work = sum(int(getattr(o, "work", getattr(o, "nbytes", 0))) for o in self.ops)  # see FusedLinear.work
         fams = {_family(o) for o in self.ops}
         self.family = fams.pop() if len(fams) == 1 else None
         self._rows = np.arange(max(self.sizes), dtype=np.int64)
@@ -282,6 +310,9 @@ class MatvecGroup:
         elif self.family == "vbit":
             self._tup = (tuple(o.data for o in self.ops), tuple(o.widths for o in self.ops),
                          tuple(o.starts for o in self.ops), tuple(np.int64(o.soff) for o in self.ops))
+        elif self.family == "q1":
+            self._tup = (tuple(np.int64(o.kind) for o in self.ops), tuple(o.tiles for o in self.ops),
+                         tuple(o.ptr for o in self.ops), tuple(o.ent for o in self.ops))
         elif self.family is not None:
             none = np.zeros(0, np.float32)
             if self.family == "q8":
@@ -300,12 +331,13 @@ class MatvecGroup:
         fam = self.family
         if fam is None:
             return None
-        if nt > 1 and self.nbytes < _jit.PARALLEL_MIN_BYTES:
+        if nt > 1 and self.work < _jit.PARALLEL_MIN_BYTES:
             nt = 1
-        if fam == "vbit":
+        if fam in ("vbit", "q1"):
+            par, serial = (vbit_group, vbit_group_serial) if fam == "vbit" else (q1_group, q1_group_serial)
             if nt > 1:
-                return vbit_group, (*self._tup, x, out, self.offs, self._rows, nt, self.act, self.width)
-            return vbit_group_serial, (*self._tup, x, out, self.offs, self._rows, self.act, self.width)
+                return par, (*self._tup, x, out, self.offs, self._rows, nt, self.act, self.width)
+            return serial, (*self._tup, x, out, self.offs, self._rows, self.act, self.width)
         if fam in ("q8", "f32") or fam.startswith("half"):
             if nt > 1:
                 return rows_group, (*self._tup, x, out, self.offs, nt, self.act, self.width)
