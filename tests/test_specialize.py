@@ -28,7 +28,7 @@ from cmf.format.constants import Feature  # noqa: E402
 from cmf.format.masks import MaskSet, TaskMask, mask_layout  # noqa: E402
 from cmf.format.reader import open as cmf_open  # noqa: E402
 from cmf.format.writer import CmfWriter  # noqa: E402
-from cmf.quant.columns import gather_columns, gather_rows  # noqa: E402
+from cmf.quant.columns import gather_columns, gather_rows, kept_column_fraction  # noqa: E402
 from cmf.runtime.ops.moe import Routing, route  # noqa: E402
 from cmf.tools.defrag import defrag  # noqa: E402
 from cmf.tools.mask_create import create_mask  # noqa: E402
@@ -265,6 +265,11 @@ def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(t
             assert lf is b.ffn.live() and prod is not None
             assert lf.gate.out_features == lf.up.out_features == int(mask.ffn[b.plan.index].sum())
             assert (lf.positions is None) == (quant_ == "q8")
+            # q4tp: a random half leaves hardly a 32-column group of down without a live neuron,
+            # so down runs whole (no second copy of it) with zeros at the dead positions
+            assert (lf.down is b.ffn.down) == (quant_ == "q4tp")
+            if quant_ == "q4tp":
+                assert np.array_equal(lf.positions, b.ffn._live)
             # element-gathered columns: the whole layer runs the pre-bound plain path
             assert (b._step._bound[2] is not None) == (quant_ == "q8")
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
@@ -391,6 +396,17 @@ def test_gather_rows_refuses_what_it_cannot_gather_exactly():
         gather_rows(w.tobytes(), 0, w.shape, [3, 1])
     with pytest.raises(ValueError, match="in 0..3"):
         gather_rows(w.tobytes(), 0, w.shape, [4])
+
+
+def test_kept_column_fraction_is_what_the_gather_keeps():
+    rng = np.random.default_rng(2)
+    cols = np.sort(rng.choice(256, 40, replace=False))
+    assert kept_column_fraction(quant.resolve_dtype("q8_row"), 256, cols) == 40 / 256
+    for dtype in ("q4tp", "q4_tiled"):
+        w = rng.standard_normal((8, 256)).astype(np.float32)
+        sub = gather_columns(quant.encode(w, dtype), quant.resolve_dtype(dtype), w.shape, cols)
+        assert kept_column_fraction(quant.resolve_dtype(dtype), 256, cols) == sub.shape[1] / 256
+    assert kept_column_fraction(quant.resolve_dtype("vbit"), 256, cols) is None
 
 
 def test_gather_columns_refuses_what_it_cannot_gather_exactly():

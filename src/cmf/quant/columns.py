@@ -33,7 +33,7 @@ import numpy as np
 from ..format.constants import GROUP, Dtype
 from .base import Buffer, as_bytes_array, get_codec
 
-__all__ = ["ColumnSubset", "RowSubset", "gather_columns", "gather_rows"]
+__all__ = ["ColumnSubset", "RowSubset", "gather_columns", "gather_rows", "kept_column_fraction"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,19 @@ def _group_ids(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     groups = np.unique(cols // GROUP)
     slot = np.searchsorted(groups, cols // GROUP)
     return groups, slot * GROUP + cols % GROUP
+
+
+def kept_column_fraction(dtype: Dtype | int, n: int, cols: np.ndarray) -> float | None:
+    """The fraction of a matrix's ``n`` stored columns that :func:`gather_columns` would keep for
+    the sorted ``cols`` (whole 32-groups for the group dtypes), or None when it has no gather."""
+    dt = Dtype(int(dtype))
+    if n == 0:
+        return None
+    if dt in (Dtype.F32, Dtype.F16, Dtype.BF16, Dtype.Q8_ROW, Dtype.Q8_2F):
+        return len(cols) / n
+    if n % GROUP or dt not in (Dtype.Q4_TILED, Dtype.Q1, Dtype.Q4_BLOCK, Dtype.Q4TP, Dtype.Q2TP):
+        return None
+    return np.unique(np.asarray(cols, dtype=np.int64) // GROUP).size / (n // GROUP)
 
 
 def gather_columns(buf: Buffer, dtype: Dtype | int, shape: Sequence[int],

@@ -224,9 +224,11 @@ class LiveFfn:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the gathered payloads (what the mask keeps resident of the FFN)."""
+        """Bytes of the gathered payloads (a matrix that runs whole under the mask is not counted)."""
+        from .masked import MemTensor
+
         return sum(int(op.tensor.nbytes) for op in (self.gate, self.up, self.down)
-                   if op is not None and hasattr(op, "tensor"))
+                   if op is not None and isinstance(getattr(op, "tensor", None), MemTensor))
 
 
 class DenseFfn:
