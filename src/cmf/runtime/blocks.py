@@ -234,7 +234,8 @@ class LiveFfn:
 class DenseFfn:
     """SwiGLU/GeGLU FFN. Under a task mask (``set_mask``) only the live neurons run: their rows of
     gate/up and columns of down, each gathered once per mask into an in-memory payload of the
-    same dtype (runtime/masked.py). Dead neurons are never read."""
+    same dtype (runtime/masked.py). Dead gate/up rows are never read; down's dead columns are
+    read only where down runs whole (their activations are zero: ``masked.live_columns``)."""
 
     def __init__(self, f: FfnPlan, w: Weights) -> None:
         self.gate, self.up, self.down = w.linear(f.gate), w.linear(f.up), w.linear(f.down)
