@@ -248,8 +248,8 @@ def test_loop_masks_are_read_per_visit(qwen3, tmp_path):
 @pytest.mark.parametrize("quant_", ["q8", "q4tp"])
 def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(tmp_path, quant_):
     """One token at a time under a mask: the step's gate/up/down are the gathered live matrices in
-    grouped products (q4tp: group-gathered down columns with positions; q8: the plain layer
-    path), the values those of the reference kernels."""
+    grouped products on the plain layer path (q4tp: down run whole, its input scattered to the
+    live positions), the values those of the reference kernels."""
     src = H.converted("qwen3", quant_)
     with cmf_open(src) as f:
         mask = random_mask(f.arch, "half", seed=2)
@@ -270,8 +270,9 @@ def test_masked_decode_runs_the_gathered_matrices_through_the_grouped_products(t
             assert (lf.down is b.ffn.down) == (quant_ == "q4tp")
             if quant_ == "q4tp":
                 assert np.array_equal(lf.positions, b.ffn._live)
-            # element-gathered columns: the whole layer runs the pre-bound plain path
-            assert (b._step._bound[2] is not None) == (quant_ == "q8")
+            # the whole layer runs the pre-bound plain path (q4tp: scattering down's input first)
+            assert b._step._bound[2] is not None
+            assert (b._step._bound[2][4] is None) == (quant_ == "q8")
     np.testing.assert_allclose(steps, ref, atol=1e-4, rtol=0)
 
 

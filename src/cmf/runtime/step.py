@@ -179,15 +179,17 @@ class BlockStep:
 
     def _bind(self, nt: int, ffn: tuple | None) -> tuple | None:
         """The four products' (function, arguments) with this layer's buffers bound, when the
-        whole layer can run as :meth:`_plain` (``ffn``: the FFN's current products); else None."""
+        whole layer can run as :meth:`_plain` (``ffn``: the FFN's current products), and the
+        scatter of a masked down's input (or None); else None."""
         b, at = self.block, self.attn
-        if (at is None or ffn is None or ffn[5] is not None or b.plan.sandwich or b.n_in is None
-                or b.n_post_attn is None):
+        if at is None or ffn is None or b.plan.sandwich or b.n_in is None or b.n_post_attn is None:
             return None
-        gate_up, down, buf, gated = ffn[:4]
+        gate_up, down, buf, gated, x, pos = ffn
+        # a masked down that takes its live activations at positions: scattered into x first
+        scatter = None if pos is None else (x[0], pos, gated[0])
         calls = (at.qkv.bind(self.h, at.buf, nt), at.o.bind(at.att2d, self.a, nt),
-                 gate_up.bind(self.h, buf, nt), down.bind(gated, self.f, nt))
-        return None if any(c is None for c in calls) else calls
+                 gate_up.bind(self.h, buf, nt), down.bind(gated if x is None else x, self.f, nt))
+        return None if any(c is None for c in calls) else (*calls, scatter)
 
     def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
         """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
@@ -223,7 +225,7 @@ class BlockStep:
         between them cut to the minimum: run right after the weight stream, that Python finds
         its own objects evicted from cache and cost ~30 µs a layer (~0.2 ms a token saved)."""
         b, at = self.block, self.attn
-        (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args) = calls
+        (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args), scatter = calls
         rms_norm_into(x, b.n_in, b.eps, self.h)
         qkv(*qkv_args)
         if at.bias is not None:
@@ -234,6 +236,8 @@ class BlockStep:
             self.a += at.attn.ob
         add_norm_into(x, self.a, b.n_post_attn, b.eps, self.h)
         gate_up(*gate_up_args)
+        if scatter is not None:
+            scatter[0][scatter[1]] = scatter[2]
         down(*down_args)
         add_into(x, self.f)
         return x
