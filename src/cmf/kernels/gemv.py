@@ -45,6 +45,14 @@ def apply_act(Y, width, act, i0, i1):  # pragma: no cover - compiled
         Y[0, i] = gated(Y[0, i], Y[0, width + i], act)
 
 
+@numba.njit(**SERIAL)
+def _act_chunk(Y, width, act, nt, j):  # pragma: no cover - compiled
+    """Thread j's share of the gated activation (``act`` < 0: none), after its rows of gate/up."""
+    if act >= 0:
+        r0, r1 = _chunk(width, nt, j, 4)
+        apply_act(Y, width, act, r0, r1)
+
+
 def _cvt(v, kind):  # noqa: ANN001, ANN202 - typed by the overload below
     """A stored weight as float32: int8, f32, or f16/bf16 bits (kind 1 / 2)."""
 
@@ -126,9 +134,7 @@ def _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width):  # pragma: n
     for m in range(len(ws)):
         r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
         spread_rows(ws[m], kind, ss[m], _fold(X, cols[m])[0], Y[0, offs[m]:], r0, r1)
-    if act >= 0:
-        r0, r1 = _chunk(width, nt, j, 4)
-        apply_act(Y, width, act, r0, r1)
+    _act_chunk(Y, width, act, nt, j)
 
 
 @numba.njit(**PARALLEL)
@@ -149,9 +155,7 @@ def _vbit_chunk(datas, widths, starts, soffs, X, xs, xp, Y, offs, rows, nt, j, a
     for m in range(len(datas)):
         r0, r1 = _chunk(widths[m].shape[0], nt, j, 4)
         vbit_rows(datas[m], widths[m], starts[m], soffs[m], X, xs, xp, Y[:, offs[m]:], rows, r0, r1)
-    if act >= 0:
-        r0, r1 = _chunk(width, nt, j, 4)
-        apply_act(Y, width, act, r0, r1)
+    _act_chunk(Y, width, act, nt, j)
 
 
 @numba.njit(**PARALLEL)
@@ -174,9 +178,7 @@ def _q1_chunk(kinds, tiles, ptrs, ents, X, xs, Y, offs, rows, nt, j, act, width)
     for m in range(len(tiles)):
         r0, r1 = _chunk(tiles[m].shape[0], nt, j, 4)
         q1_rows(kinds[m], tiles[m], ptrs[m], ents[m], X, xs, Y[:, offs[m]:], rows, r0, r1)
-    if act >= 0:
-        r0, r1 = _chunk(width, nt, j, 4)
-        apply_act(Y, width, act, r0, r1)
+    _act_chunk(Y, width, act, nt, j)
 
 
 @numba.njit(**PARALLEL)
