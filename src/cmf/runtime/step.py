@@ -4,9 +4,10 @@ A decoded token costs one pass over the weights plus, per layer, the calls that 
 generic path (``Block.__call__``) allocates every intermediate and runs one parallel region per
 matrix; here a dense layer is seven calls into compiled code — q/k/v in one parallel region,
 q/k norm + RoPE + the KV append + attention in one kernel, o, gate/up with the activation in one
-region, down — writing into buffers that live as long as the layer. Features this path does not
-cover (output gates, ``g_proj``, task masks on FFN neurons, MoE, MLA, linear attention) run the
-generic code for that part only, with identical results.
+region, down — writing into buffers that live as long as the layer. Under a task mask on FFN
+neurons the same calls run on the mask's gathered matrices. Features this path does not cover
+(output gates, ``g_proj``, MoE, MLA, linear attention) run the generic code for that part only,
+with identical results.
 """
 
 from __future__ import annotations
