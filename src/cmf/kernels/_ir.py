@@ -144,8 +144,8 @@ def vbit_dot4p(typingctx, data, pos, soff, gpr, xp):  # noqa: ANN001
 
         def group(g, acc):  # noqa: ANN001, ANN202
             s = _load_f16(builder, cgutils.gep(builder, dp, builder.add(soff_v, builder.mul(g, ir.Constant(_I64, 2)))))
-            raw = _vec_load(builder, cgutils.gep(builder, dp, builder.add(pos_v, builder.mul(g, ir.Constant(_I64, 16)))),
-                            bty)
+            at = builder.add(pos_v, builder.mul(g, ir.Constant(_I64, 16)))
+            raw = _vec_load(builder, cgutils.gep(builder, dp, at), bty)
             w = builder.zext(raw, vi)
             hi = builder.sitofp(builder.sub(builder.lshr(w, four), seven), _VF)
             lo = builder.sitofp(builder.sub(builder.and_(w, low), seven), _VF)
