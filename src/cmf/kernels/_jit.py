@@ -155,7 +155,6 @@ def prefetch_at(typingctx, a, off):  # noqa: ANN001
     return types.void(a, types.int64), codegen
 
 
-
 @intrinsic
 def field32(typingctx, word, shift, mask):  # noqa: ANN001
     """(word >> shift) & mask of a uint32 as float32, in 32-bit lanes (numba would widen the

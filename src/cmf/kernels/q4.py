@@ -110,7 +110,8 @@ def _pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad):  # 
     The ladder base is looked up here, once: per product it meant two dependent loads per row
     (the row's params in the mapped file, then ``exp2tab`` at a scattered index) that the weight
     stream had evicted from cache: ~0.5 µs a tile measured cold; storing the base made q4tp
-    decode 4–5% faster. Only final values are stored, so packing the same tile twice at once is harmless."""
+    decode 4–5% faster. Only final values are stored, so packing the same tile twice at once is
+    harmless."""
     if kind == KIND_Q1T:
         _pack_tile_q1t(t, src, planes, sc)
         return
