@@ -85,3 +85,16 @@ def write_sample(path: Path, *, masks: bool = True, vocab: bool = True, sparse_i
         if vocab:
             w.set_vocab(b'{"version":"1.0","model":{"type":"BPE","vocab":{},"merges":[]}}')
     return w.outputs
+
+
+def present_pages(addr: int, length: int) -> np.ndarray:
+    """Whether each 4 KiB page of [addr, addr + length) is mapped into this process (pagemap bit
+    63; readable without privileges, which only hides the frame numbers)."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    first, last = addr // page, (addr + length - 1) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        raw = np.frombuffer(fh.read((last - first + 1) * 8), "<u8")
+    return (raw >> np.uint64(63)) & np.uint64(1) == 1

@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _builders import present_pages  # noqa: E402
 import _hf_oracle as O  # noqa: E402
 import hf_fixtures as H  # noqa: E402
 
@@ -295,19 +296,6 @@ def test_masked_gathers_are_prepared_like_the_models_own_ops(tmp_path):
     assert np.abs(steps - ref).max() < 0.05 * np.abs(ref).max()
 
 
-def _present_pages(addr: int, length: int) -> np.ndarray:
-    """Whether each 4 KiB page of [addr, addr + length) is mapped into this process (pagemap bit
-    63; readable without privileges, which only hides the frame numbers)."""
-    import mmap
-
-    page = mmap.PAGESIZE
-    first, last = addr // page, (addr + length - 1) // page
-    with open("/proc/self/pagemap", "rb") as fh:
-        fh.seek(first * 8)
-        raw = np.frombuffer(fh.read((last - first + 1) * 8), "<u8")
-    return (raw >> np.uint64(63)) & np.uint64(1) == 1
-
-
 def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
     """q8 rows of 512 bytes (eight to a page, so almost every page holds a live row of a random
     half): after a masked prefill and decode, no page of gate/up/down is mapped any more — the
@@ -350,7 +338,7 @@ def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
             for _ in range(6):
                 logits = m.forward([int(np.argmax(logits))], cache)
             base = m.file._parts[0].u8.ctypes.data
-            return np.concatenate([_present_pages(base + t.offset + margin, t.nbytes - 2 * margin)
+            return np.concatenate([present_pages(base + t.offset + margin, t.nbytes - 2 * margin)
                                    for t in m.file.tensors() if ".mlp." in t.name])
 
     unmasked, half = ffn_present(None), ffn_present("half")

@@ -17,19 +17,15 @@ runs whole, with zero activations at the dead positions.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import sys
 
 import numpy as np
 
 from .. import kernels
 from ..format.constants import Dtype
+from .memory import release_pages
 
 log = logging.getLogger(__name__)
-
-_PAGE = mmap.PAGESIZE
 
 
 class MemTensor:
@@ -101,28 +97,3 @@ def live_rows(op, rows: np.ndarray, *, reference: bool = False,  # noqa: ANN001,
     release_pages(buf)
     return kernels.prepare(MemTensor(tensor.name + "[live rows]", sub.dtype, sub.shape, sub.payload),
                            reference=reference, int8_activations=int8_activations)
-
-
-def _mapped(a: np.ndarray) -> bool:
-    """Whether ``a`` is a view into an ``mmap`` (never madvise anonymous memory: it would be zeroed)."""
-    base = a
-    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
-        base = base.base if isinstance(base, np.ndarray) else base.obj
-    return isinstance(base, mmap.mmap)
-
-
-def release_pages(view: np.ndarray) -> None:
-    """Drop this process's mapping of the whole pages inside ``view`` (a read-only file mapping):
-    resident memory falls, the data stays in the page cache and faults back in if read again."""
-    if not sys.platform.startswith("linux") or view.size < _PAGE or not _mapped(view):
-        return
-    addr = view.ctypes.data
-    start = -(-addr // _PAGE) * _PAGE
-    end = (addr + view.size) // _PAGE * _PAGE
-    if end <= start:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
-    except (OSError, AttributeError):  # pragma: no cover - no libc madvise: memory stays resident
-        pass

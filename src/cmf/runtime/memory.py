@@ -1,19 +1,32 @@
-"""Resident memory: give back the mapped pages of 4-bit payloads once their tiles are repacked.
+"""Resident memory: give back pages the process no longer needs, so RSS is the model's working set.
 
-The 4-bit kernels copy each 64-row tile into a vectorizable layout the first time a product
-needs it (kernels/q4.py) and from then on read only the copy (rows past the last whole tile
-excepted). The mapped source pages they read while packing stay in the process's resident set,
-so without this a 4-bit model would hold its weights twice (measured: 108 MiB file, ~200 MiB
-resident). :class:`PackedSourceReleaser` drops the source rows of packed tiles from the mapping
-(``madvise(MADV_DONTNEED)``: the file is read-only and shared, so a later read faults the same
-bytes back in from the page cache — correct, only slower) layer by layer, so the peak exceeds
-the final figure by about one layer.
+Three kinds, all ``madvise(MADV_DONTNEED)`` on read-only file mappings (the data stays in the page
+cache and a later read faults the same bytes back in — correct, only slower; anonymous memory is
+never touched, since there it would be zeroed):
+
+- **Repacked 4-bit sources.** The 4-bit kernels copy each 64-row tile into a vectorizable layout
+  the first time a product needs it (kernels/q4.py) and from then on read only the copy (rows
+  past the last whole tile excepted). The mapped source pages they read while packing would stay
+  resident: a 4-bit model would hold its weights twice (measured: 108 MiB file, ~200 MiB
+  resident). :class:`PackedSourceReleaser` drops the source rows of packed tiles layer by layer,
+  so the peak exceeds the final figure by about one layer.
+- **Looked-up embedding rows** (:func:`release_pages`). A lookup faults in one row, but the
+  kernel maps the cached pages around a fault too (64 KiB): 512 prompt tokens left ~25 MiB of a
+  65 MiB f16 embedding resident.
+- **The compiler's code** (:func:`release_compiler_pages`). numba's LLVM (``libllvmlite.so``) is
+  executed to initialise and to load each cached kernel, then not again: ~68 MB of its pages
+  stayed resident for the life of a process, 40% of the runtime's own footprint. Only mappings
+  that are not writable and hold no private (copy-on-write) page qualify — code and read-only
+  data — so what faults back in is byte-identical.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import sys
+import threading
 import weakref
 
 import numpy as np
@@ -86,3 +99,89 @@ class PackedSourceReleaser:
             log.debug("madvise(DONTNEED) failed: %s", exc)
             return 0
         return end - start
+
+
+_libc = None
+
+
+def _madvise_dontneed(start: int, length: int) -> bool:
+    """``madvise(start, length, MADV_DONTNEED)`` through libc; False where that is unavailable."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_DONTNEED) == 0
+    except (OSError, AttributeError):  # pragma: no cover - no libc madvise: memory stays resident
+        return False
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """Whether ``a`` is a view into an ``mmap`` (never madvise anonymous memory: it would be zeroed)."""
+    base = a
+    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return isinstance(base, mmap.mmap)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Drop this process's mapping of the whole pages inside ``view`` (a read-only file mapping):
+    resident memory falls, the data stays in the page cache and faults back in if read again.
+    A view that is not into an ``mmap`` is left alone."""
+    if not sys.platform.startswith("linux") or view.nbytes < PAGE or not _mapped(view):
+        return
+    addr = view.ctypes.data
+    start = -(-addr // PAGE) * PAGE
+    end = (addr + view.nbytes) // PAGE * PAGE
+    if end > start:
+        _madvise_dontneed(start, end - start)
+
+
+COMPILER_LIBRARIES = ("libllvmlite",)  # file names (prefixes) of the compiler's shared objects
+
+
+def idle_code_ranges(smaps: str, libraries: tuple[str, ...] = COMPILER_LIBRARIES) -> list[tuple[int, int]]:
+    """[start, end) of each mapping in ``smaps`` (the text of ``/proc/<pid>/smaps``) of one of
+    ``libraries`` that can be dropped and faulted back unchanged: not writable, and without a
+    private page (``Anonymous: 0 kB``; relocated read-only data after RELRO has some, and is kept)."""
+    out: list[tuple[int, int]] = []
+    cur = None  # (start, end) of the library mapping whose fields are being read
+    for line in smaps.splitlines():
+        head = line.split(None, 5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header
+            cur = None
+            path = head[5] if len(head) == 6 else ""
+            name = path.rsplit("/", 1)[-1]
+            if "w" not in head[1] and name.startswith(libraries):
+                lo, hi = head[0].split("-")
+                cur = (int(lo, 16), int(hi, 16))
+        elif cur is not None and line.startswith("Anonymous:"):
+            if int(line.split()[1]) == 0:
+                out.append(cur)
+            cur = None
+    return out
+
+
+_code = {"ranges": None}
+_code_lock = threading.Lock()
+
+
+def release_compiler_pages() -> None:
+    """Drop this process's resident pages of the compiler's code and read-only data (numba's
+    LLVM): executed while kernels compile or load from the cache, idle afterwards. The ranges are
+    found once per process (one read of ``/proc/self/smaps``, ~10 ms); a call then costs ~10 µs.
+    A later compilation faults the pages it needs back in from the page cache."""
+    ranges = _code["ranges"]
+    if ranges is None:
+        with _code_lock:
+            ranges = _code["ranges"]
+            if ranges is None:
+                try:
+                    with open("/proc/self/smaps", encoding="ascii", errors="replace") as fh:
+                        ranges = idle_code_ranges(fh.read())
+                except OSError:  # no procfs (not Linux, or a sandbox): nothing to release
+                    ranges = []
+                log.debug("compiler code pages: %d mappings, %.0f MB of address space", len(ranges),
+                          sum(hi - lo for lo, hi in ranges) / 1e6)
+                _code["ranges"] = ranges
+    for lo, hi in ranges:
+        _madvise_dontneed(lo, hi - lo)

@@ -16,7 +16,7 @@ from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .blocks import Block, MoeFfn
 from .cache import Cache
-from .memory import PackedSourceReleaser
+from .memory import PackedSourceReleaser, release_compiler_pages, release_pages
 from .ops.decode import rms_norm_into
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .plan import ModelPlan, build_plan
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 # ~128 rows) with a lower peak: 512-token chunks held ~75 MB more activations on the f16
 # benchmark model (630 against 553 MB peak), 16 MB more on q4_tiled.
 DEFAULT_BATCH = 256
+# Decode looks up one embedding row a token; its pages (and the kernel's fault-around neighbours)
+# are given back every this many forwards, so a long generation does not map the whole table.
+EMBED_RELEASE_EVERY = 64
 
 
 class ContextOverflow(CmfError):
@@ -94,6 +97,10 @@ class Model:
         self._final_norm = self._norm(plan.final_norm)
         self._lm_head = w.linear(plan.lm_head)
         self._head_step = None  # the lm_head as a one-token MatvecGroup (project)
+        # The embedding's mapped bytes, given back after lookups (memory.release_pages) unless a
+        # head reads the whole matrix every token (tied weights).
+        heads = {plan.lm_head} | ({plan.mtp.lm_head} if plan.mtp is not None else set())
+        self._embed_pages = None if plan.embed in heads or plan.embed in w._mixed else w.qtensor(plan.embed).numpy()
         self._mtp = None  # the MTP head is built on first use (speculative.py)
         for i, b in enumerate(self._blocks):
             if isinstance(b.ffn, MoeFfn) and old is not None and isinstance(old[i].ffn, MoeFfn):
@@ -383,20 +390,23 @@ class Model:
             x *= np.float32(plan.embed_multiplier)
         pos0 = cache.pos
         self._forwards += 1
-        # Give back the mapped pages of freshly repacked 4-bit tiles, layer by layer (memory.py):
-        # after every prefill and after decode forwards 1, 2, 4, 8, ... (tiles are packed once).
+        if self._embed_pages is not None and (t > 1 or self._forwards % EMBED_RELEASE_EVERY == 0):
+            release_pages(self._embed_pages)
+        # Give back the mapped pages of freshly repacked 4-bit tiles and the compiler's code pages,
+        # layer by layer (memory.py): after every prefill and after decode forwards 1, 2, 4, 8, ...
+        # (tiles are packed once; kernels load from numba's cache at a layer's first call).
         watch = t > 1 or not self._forwards & (self._forwards - 1)
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
             for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 block.step(x, state, pos0, nt)
                 if watch:
-                    self._release_packed(i)
+                    self._give_back(i)
         else:
             for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 x = block(x, state, pos0)
                 if watch:
-                    self._release_packed(i)
+                    self._give_back(i)
         if watch:
             self._releaser.release([self._lm_head])
         cache.pos += t
@@ -408,9 +418,12 @@ class Model:
             return h
         return rms_norm_prepared(x, self._final_norm, plan.eps)
 
-    def _release_packed(self, i: int) -> None:
+    def _give_back(self, i: int) -> None:
+        """After layer ``i``: drop the mapped sources of its newly packed tiles, and LLVM's pages
+        (touched if the layer loaded kernels) before the next layer's weights come in."""
         lin = self.weights._linears
         self._releaser.release([lin[n] for n in _plan_names(self.plan.layers[i]) if n in lin])
+        release_compiler_pages()
 
     def project(self, h: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden states (lm_head, logit multiplier, final soft-cap)."""
