@@ -84,6 +84,8 @@ else:
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
         out["peak_rss_mb"] = int(line.split()[1]) / 1024
+    elif line.startswith("VmRSS:"):
+        out["rss_mb"] = int(line.split()[1]) / 1024  # at the end: what a running process holds
 print(json.dumps(out))
 """
 
@@ -293,12 +295,14 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
                    "back).")
     if tiny_rss:
         out.append(f"\nInterpreter + numpy + numba + compiled kernels alone (a 1 MB model): peak RSS "
-                   f"{tiny_rss:.0f} MB.")
+                   f"{tiny_rss['peak_rss_mb']:.0f} MB (reached while the kernels load), {tiny_rss['rss_mb']:.0f} MB "
+                   "at the end of the run (LLVM's code pages given back).")
     if base_rss:
         out.append("\nPeak RSS against the issue's bound, file + KV cache (at its 512-token peak) + 15%. "
-                   "\"runtime\" is the peak of the same worker on a tiny model of the same dtype (interpreter, "
-                   "numpy, numba, LLVM and that dtype's compiled kernels: what any model of the dtype costs); "
-                   "\"model\" = peak − runtime. 2 threads, the maximum over the rounds:\n")
+                   "\"runtime\" is what the same worker holds at the end of a run on a tiny model of the same "
+                   "dtype (interpreter, numpy, numba and that dtype's compiled kernels: what any model of the "
+                   "dtype costs once running); \"model\" = peak − runtime. 2 threads, the maximum over the "
+                   "rounds:\n")
         brow = []
         for q, p in files.items():
             if q not in base_rss:
@@ -373,17 +377,17 @@ def main() -> None:
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
     ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
     masks = mask_residency(files["q8"]) if "q8" in files and not args.quick else None
-    # the runtime's own peak: the same worker on a 1-layer model (q8 always; with the full run,
-    # one per dtype, so each dtype's compiled kernels are counted with it)
+    # the runtime's own footprint: the same worker on a 1-layer model (q8 always; with the full
+    # run, one per dtype, so each dtype's compiled kernels are counted with it)
     small = QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64}
     kinds = sorted({"q8"} | (set() if args.quick else {d.removesuffix("+i8") for d in files}))
     tinies = build(base / "tiny", small, kinds)
-    tiny_rss = worker("bench", tinies["q8"], 2)["peak_rss_mb"]
+    tiny_rss = worker("bench", tinies["q8"], 2)
     base_rss = {}
     if not args.quick:
         for d in files:
             src = d.removesuffix("+i8")
-            base_rss[d] = tiny_rss if d == "q8" else worker("bench", tinies[src], 2, cell_env(d))["peak_rss_mb"]
+            base_rss[d] = (tiny_rss if d == "q8" else worker("bench", tinies[src], 2, cell_env(d)))["rss_mb"]
     load1 = os.getloadavg()
     text = render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss)
     print(text)
