@@ -38,7 +38,7 @@ def model(tmp_path_factory):
     w[100, 64:96] = 0  # a dead group
     path = tmp_path_factory.mktemp("int8") / "m.cmf"
     with CmfWriter(path, header()) as wr:
-        for name in DTYPES:
+        for name in DTYPES + ["q1t"]:
             wr.add(name, name, SHAPE, q.encode(w, name))
     f = cmf_open(path)
     yield f
@@ -290,3 +290,25 @@ def test_a_group_takes_a_strided_input(model) -> None:
     exact = _inputs()[0].astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T
     _close(out[0, :SHAPE[0]], exact, 2e-6)
     _close(out[0, SHAPE[0]:], exact, 2e-6)
+
+
+@pytest.mark.parametrize("name", DTYPES + ["q1t"])  # q1t: its crumb tiles (no overlay here)
+@pytest.mark.parametrize("int8", [False, True])
+def test_batched_products_are_the_exact_decode_products_token_by_token(model, name: str, int8: bool) -> None:
+    """Prefill blocks run the exact mode's integer tile loop over all their tokens at once
+    (``q4.block_par``): each token's row equals, bit for bit, that token's exact decode product —
+    in int8 mode too, whose batched path stays exact."""
+    from cmf.kernels import q4
+
+    if not q4.EXACT_PIECES:
+        pytest.skip("no VNNI: the batched path is dequantize + sgemm")
+    t = model.tensor(name)
+    op, one = prepare(t, int8_activations=int8), prepare(t)
+    X = np.random.default_rng(8).standard_normal((40, SHAPE[1])).astype(np.float32)  # > fused_max_t
+    X[3, :32] = 0
+    X[5, 70] = -80.0
+    assert X.shape[0] > op.fused_max_t
+    got = op(X)
+    want = np.stack([one(x) for x in X])
+    assert np.array_equal(got, want)
+    _close(got, X.astype(np.float64) @ ReferenceLinear(t).dense().astype(np.float64).T, 2e-6)

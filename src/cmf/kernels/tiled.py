@@ -14,7 +14,7 @@ from . import _base
 from ._base import FusedLinear, TILE_BYTES
 from ._jit import huge_zeros, scratch, threads
 from .q4 import (CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH, ZERO, R,
-                 decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
+                 block_par, decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
 from .xprep import fill_x
 
 
@@ -34,7 +34,14 @@ class TiledLinear(FusedLinear):
     """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles; also the base
     of q1t (its overlay is added by ``q1.Q1Linear``)."""
 
-    fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 24-32 at 4096² (benchmarks/quant.py)
+    # Batches up to fused_max_t tokens run the decode loop (one token at a time, the weights
+    # streamed with prefetch), larger ones the block loop (q4.block_par) or, without VNNI,
+    # dequantize + sgemm. Crossovers measured on the benchmark model's gate/up matrices from
+    # DRAM: block against the exact decode loop T ≈ 6 (T = 4 1.04×, 8 0.93×, 16 0.85× the time);
+    # dequantize + sgemm against the decode loop T ~ 24-32 (benchmarks/quant.py). int8
+    # activations keep 16: their decode loop does a third of the exact mode's integer work.
+    fused_max_t = 16
+    BLOCK_MIN_T = 7
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -71,8 +78,8 @@ class TiledLinear(FusedLinear):
             self.cs = data[a + 4 * rows:].reshape(rows, (5 * gpr + 7) // 8)
             self.exp2tab = _exp2_table()
         self.width = WIDTH[self.kind]
-        self.int8 = False  # int8 activations in the fused products (use_int8_activations)
-        self.pieces = EXACT_PIECES  # int8 pieces x is split into for the fused products (0: float32)
+        # int8, pieces (int8 pieces x is split into for the fused products, 0: float32), fused_max_t
+        self.use_int8_activations(False)
         self.phases = GROUP // self.width
         self.zero = np.float32(ZERO[self.kind])
         self.ntiles = rows // R
@@ -98,6 +105,7 @@ class TiledLinear(FusedLinear):
         The batched path (prefill) stays exact. Returns the new setting."""
         self.int8 = bool(on)
         self.pieces = 1 if self.int8 else EXACT_PIECES
+        self.fused_max_t = TiledLinear.fused_max_t if self.int8 or not EXACT_PIECES else self.BLOCK_MIN_T - 1
         return self.int8
 
     def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -155,6 +163,16 @@ class TiledLinear(FusedLinear):
     def _batched(self, X, rows):
         if rows is not None or not self.ntiles:
             return super()._batched(X, rows)
+        if EXACT_PIECES:
+            # Integer tile products over the token block (q4.block_par), x in three int8 pieces
+            # whatever the decode mode (prefill stays exact): each tile's bytes are read once and
+            # multiplied by every token from cache, with VNNI's four products per lane — 1.3× the
+            # dequantize + sgemm below on the benchmark model's matrices, the same values as the
+            # decode step's exact product.
+            X = np.ascontiguousarray(X, dtype=np.float32)
+            Y = np.empty((X.shape[0], self.out_features), np.float32)
+            block_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), EXACT_PIECES)
+            return Y
         from . import gemm  # lazy: gemm builds on this module
 
         if gemm.supported(self):
