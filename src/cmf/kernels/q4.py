@@ -324,7 +324,11 @@ def tiles_block(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready
     """``tiles_run``'s integer product for a block of tokens (prefill): the same arithmetic for
     each token, but a tile's group scales are built once for all of them (``sg``), and its bytes,
     read from DRAM once, are multiplied from L1/L2 by every token. No prefetch: the next tile's
-    fetch hides behind the block's arithmetic. Needs x as int8 pieces (``xv``)."""  # pragma: no cover
+    fetch hides behind the block's arithmetic. Needs x as int8 pieces (``xv``).
+
+    The group product is written out again rather than shared with ``tiles_run``: moved into an
+    ``inline="always"`` helper for both, it made the decode loop 0.87× as fast (q4tp, in-process
+    A/B), for the reason ``tiles_run`` gives."""  # pragma: no cover
     S = np.empty(R, np.int32)
     acc = np.empty(R, np.float32)
     s = np.empty(R, np.float32)
