@@ -1,16 +1,17 @@
-"""What int8 activations cost in quality: the 4-bit files of ../shared/models/base decoded token by
-token, exact vs ``int8_activations=True``.
+"""What int8 activations cost in quality: the 4-bit files of ../shared/models/base, exact vs
+``int8_activations=True``, decoded token by token and prefilled in blocks.
 
     python benchmarks/int8_quality.py [--models ../shared/models] [--windows 6] [--write]
 
-int8 activations only change the fused products (at most ``fused_max_t`` = 16 tokens at a time):
-a windowed perplexity runs through the exact batched path and cannot see them. So every scored
-position here is its own one-token ``forward`` over the cache, as in generation. Same protocol as
-benchmarks/quality.py otherwise (paragraphs + "\\n\\n" without special tokens, non-overlapping
-257-token windows scoring positions 1..256). Reported per dtype and held-out text: perplexity
-exact and int8, their ratio, how often the greedy (argmax) token agrees, and the largest logit
-difference relative to the largest |logit|. ``--write`` replaces ``## int8 activations`` in
-RESULTS.md.
+Two ways of getting each window's logits, both reported: every scored position as its own
+one-token ``forward`` over the cache, as in generation (the decode loop), and the whole window
+as one prefill block with all its logits (on CPUs with VNNI the block loop, which takes int8
+activations too; without VNNI prefill is exact in both modes and that table shows ratio 1).
+Same protocol as benchmarks/quality.py otherwise (paragraphs + "\\n\\n" without special
+tokens, non-overlapping 257-token windows scoring positions 1..256). Reported per dtype, path and
+held-out text: perplexity exact and int8, their ratio, how often the greedy (argmax) token
+agrees, and the largest logit difference relative to the largest |logit|. ``--write`` replaces
+``## int8 activations`` in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ def decode_logits(model, win: list[int]) -> np.ndarray:  # noqa: ANN001 - a cmf 
     return np.stack([model.forward([t], cache)[-1] for t in win[:-1]])
 
 
-def score(path: Path, texts: list[Path], windows: int) -> dict[str, dict]:
+def prefill_logits(model, win: list[int]) -> np.ndarray:  # noqa: ANN001 - a cmf Model
+    """Logits after each of win[:-1] from one prefill of the window (the block path)."""
+    return model.prefill(win[:-1], model.new_cache(), all_logits=True)
+
+
+PATHS = {"decode": decode_logits, "prefill": prefill_logits}
+
+
+def score(path: Path, texts: list[Path], windows: int, how: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
     models = {False: load(path), True: load(path, int8_activations=True)}
     try:
@@ -60,7 +69,7 @@ def score(path: Path, texts: list[Path], windows: int) -> dict[str, dict]:
             worst = 0.0
             for w in range(min(windows, len(ids) // WINDOW)):
                 win = ids[w * WINDOW:(w + 1) * WINDOW]
-                logits = {k: decode_logits(m, win) for k, m in models.items()}
+                logits = {k: PATHS[how](m, win) for k, m in models.items()}
                 for pos in range(WINDOW - 1):
                     for k in (False, True):
                         nll[k].append(-log_softmax(logits[k][pos])[win[pos + 1]])
@@ -79,14 +88,14 @@ def score(path: Path, texts: list[Path], windows: int) -> dict[str, dict]:
 
 def render(res: dict[str, dict[str, dict]], windows: int, secs: float) -> str:
     rows = []
-    for q, per in res.items():
+    for (q, how), per in res.items():
         for dom, r in per.items():
-            rows.append([q, dom, r["tokens"], f"{r['exact']:.3f}", f"{r['int8']:.3f}",
+            rows.append([q, how, dom, r["tokens"], f"{r['exact']:.3f}", f"{r['int8']:.3f}",
                          f"{r['int8'] / r['exact']:.4f}×", f"{100 * r['agree']:.1f}%", f"{r['worst']:.2e}"])
     return (f"Run {datetime.date.today()} on {machine()} (`benchmarks/int8_quality.py --windows {windows}`, "
-            f"{secs:.0f} s): ../shared/models/base at each 4-bit dtype, every position decoded as a one-token "
-            "forward, exact vs int8 activations (`--int8-act`).\n\n"
-            + table(["dtype", "text", "tokens", "ppl exact", "ppl int8", "ratio", "same argmax",
+            f"{secs:.0f} s): ../shared/models/base at each 4-bit dtype, exact vs int8 activations (`--int8-act`); "
+            "\"decode\": every position a one-token forward, \"prefill\": each window one prefill block.\n\n"
+            + table(["dtype", "path", "text", "tokens", "ppl exact", "ppl int8", "ratio", "same argmax",
                      "max |Δlogit| / max |logit|"], rows))
 
 
@@ -119,8 +128,9 @@ def main() -> None:
         for q in [q for q in args.dtypes.split(",") if q]:
             path = Path(d) / f"base-{q}.cmf"
             convert(root / "base", path, quant=q)
-            res[q] = score(path, texts, args.windows)
-            print(f"{q}: {res[q]}", file=sys.stderr, flush=True)
+            for how in PATHS:
+                res[(q, how)] = score(path, texts, args.windows, how)
+                print(f"{q} {how}: {res[(q, how)]}", file=sys.stderr, flush=True)
     text = render(res, args.windows, time.time() - t0)
     print(text)
     if args.write:

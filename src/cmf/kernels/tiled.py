@@ -37,9 +37,9 @@ class TiledLinear(FusedLinear):
     # Batches up to fused_max_t tokens run the decode loop (one token at a time, the weights
     # streamed with prefetch), larger ones the block loop (q4.block_par) or, without VNNI,
     # dequantize + sgemm. Crossovers measured on the benchmark model's gate/up matrices from
-    # DRAM: block against the exact decode loop T ≈ 6 (T = 4 1.04×, 8 0.93×, 16 0.85× the time);
-    # dequantize + sgemm against the decode loop T ~ 24-32 (benchmarks/quant.py). int8
-    # activations keep 16: their decode loop does a third of the exact mode's integer work.
+    # DRAM: block against the decode loop T ≈ 6, exact (T = 4 1.04×, 8 0.93×, 16 0.85× the time)
+    # and int8 (1.05×, 0.86×, 0.74×); dequantize + sgemm against the decode loop T ~ 24-32
+    # (benchmarks/quant.py).
     fused_max_t = 16
     BLOCK_MIN_T = 7
 
@@ -102,10 +102,11 @@ class TiledLinear(FusedLinear):
         """Run the fused products (decode, small batches) with activations quantized to int8 per
         group of 32, as llama.cpp does for its 4-bit types: integer dot products, ~2× faster on
         CPUs with VNNI, results within ~1e-2 relative of the exact product (``quantize_x``).
-        The batched path (prefill) stays exact. Returns the new setting."""
+        On CPUs with VNNI blocks of tokens (prefill) take int8 activations too, in the integer
+        block loop; without VNNI they stay exact (dequantize + sgemm). Returns the new setting."""
         self.int8 = bool(on)
         self.pieces = 1 if self.int8 else EXACT_PIECES
-        self.fused_max_t = TiledLinear.fused_max_t if self.int8 or not EXACT_PIECES else self.BLOCK_MIN_T - 1
+        self.fused_max_t = self.BLOCK_MIN_T - 1 if EXACT_PIECES else TiledLinear.fused_max_t
         return self.int8
 
     def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -164,14 +165,14 @@ class TiledLinear(FusedLinear):
         if rows is not None or not self.ntiles:
             return super()._batched(X, rows)
         if EXACT_PIECES:
-            # Integer tile products over the token block (q4.block_par), x in three int8 pieces
-            # whatever the decode mode (prefill stays exact): each tile's bytes are read once and
-            # multiplied by every token from cache, with VNNI's four products per lane — 1.3× the
-            # dequantize + sgemm below on the benchmark model's matrices, the same values as the
-            # decode step's exact product.
+            # Integer tile products over the token block (q4.block_par), x in this op's pieces
+            # (three exact, one with int8 activations): each tile's bytes are read once and
+            # multiplied by every token from cache, with VNNI's four products per lane — 1.3×
+            # (exact) and 2× (int8) the dequantize + sgemm below on the benchmark model's
+            # matrices, the same values as the decode step's product of each token.
             X = np.ascontiguousarray(X, dtype=np.float32)
             Y = np.empty((X.shape[0], self.out_features), np.float32)
-            block_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), EXACT_PIECES)
+            block_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), self.pieces)
             return Y
         from . import gemm  # lazy: gemm builds on this module
 
