@@ -25,8 +25,8 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
                         "best-routed skills, w ~ exp(-E/0.4)")
     p.add_argument("--task", default=None, help="task mask to activate (name)")
     p.add_argument("--int8-act", action="store_true", default=None,
-                   help="4-bit and q1t files: int8 activations in decode (one int8 piece per value "
-                        "instead of exact mode's three: products ~1.4× faster with VNNI, decode ~1.1×; "
+                   help="4-bit and q1t files: int8 activations in decode and prefill (one int8 piece "
+                        "per value instead of exact mode's three: with VNNI decode ~1.1×, prefill ~1.6×; "
                         "~1e-2 relative error per product, as llama.cpp's Q4_0; default off, or "
                         "CMF_INT8_ACT=1)")
     if sampling:
