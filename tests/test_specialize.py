@@ -351,12 +351,17 @@ def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
 GATHERED = ["f32", "f16", "bf16", "q8_row", "q8_2f", "q4_block", "q4_tiled", "q1", "q4tp", "q2tp"]
 
 
+def _stored(w: np.ndarray, dtype: str) -> np.ndarray:
+    """The payload bytes of ``w`` stored as ``dtype``."""
+    return np.frombuffer(w.tobytes() if dtype == "f32" else quant.encode(w, dtype), np.uint8)
+
+
 @pytest.mark.parametrize("dtype", GATHERED)
 def test_gather_columns_equals_decode_then_slice(dtype):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((40, 128)).astype(np.float32)
     cols = np.sort(rng.choice(128, 50, replace=False))
-    buf = np.frombuffer(w.tobytes() if dtype == "f32" else quant.encode(w, dtype), np.uint8)
+    buf = _stored(w, dtype)
     sub = gather_columns(buf, quant.resolve_dtype(dtype), w.shape, cols)
     assert sub is not None and sub.positions.size == cols.size
     got = quant.decode(sub.payload, sub.dtype, sub.shape)[:, sub.positions]
@@ -369,7 +374,7 @@ def test_gather_rows_equals_decode_then_slice(dtype):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((40, 128)).astype(np.float32)
     rows = np.sort(rng.choice(40, 17, replace=False))
-    buf = np.frombuffer(w.tobytes() if dtype == "f32" else quant.encode(w, dtype), np.uint8)
+    buf = _stored(w, dtype)
     sub = gather_rows(buf, quant.resolve_dtype(dtype), w.shape, rows)
     assert sub is not None and sub.shape == (17, 128) and sub.payload.size < buf.size // 2
     assert np.array_equal(quant.decode(sub.payload, sub.dtype, sub.shape), quant.decode(buf, dtype, w.shape)[rows])

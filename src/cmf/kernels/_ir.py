@@ -68,7 +68,7 @@ def _hsum(builder, vec):  # noqa: ANN001, ANN202
 
 
 def _make_vbit_dot(b: int):  # noqa: ANN202 - returns a numba intrinsic
-    """The row dot of width-b vbit codes (b in 3, 4, 5, 6, 8)."""
+    """The row dot of width-b vbit codes (b in 3, 5, 6, 8; width 4 is ``vbit_dot4p``)."""
     nbytes = 2 * b  # bytes of 16 codes
     first = [(b * m) >> 3 for m in range(16)]
     second = [min(f + 1, nbytes - 1) for f in first]  # unused lanes (code within one byte) clamp

@@ -36,6 +36,25 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 
 
+_libc = None
+
+
+def _madvise_dontneed(start: int, length: int) -> bool:
+    """``madvise(start, length, MADV_DONTNEED)`` through libc; False where that is unavailable."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_DONTNEED) == 0
+    except (OSError, AttributeError):  # pragma: no cover - no libc madvise: memory stays resident
+        return False
+
+
+def _whole_pages(addr: int, length: int) -> tuple[int, int]:
+    """[start, end) of the whole pages inside [addr, addr + length) (end <= start: none)."""
+    return -(-addr // PAGE) * PAGE, (addr + length) // PAGE * PAGE
+
+
 def _ranges(op) -> list[tuple[np.ndarray, int]]:  # noqa: ANN001 - a kernels.tiled.TiledLinear
     """(source array, bytes per row) of each repacked per-row source of ``op``."""
     out = []
@@ -49,15 +68,10 @@ class PackedSourceReleaser:
     """Tracks, per 4-bit LinearOp, which packed tiles' source rows were already released."""
 
     def __init__(self, file) -> None:  # noqa: ANN001 - a CmfFile
+        # the file's mappings: only bytes inside an open one are ever given back
         self._maps = [(p.u8.ctypes.data, p.u8.size, p.mm) for p in file._parts if getattr(p, "mm", None) is not None]
         self._done: "weakref.WeakKeyDictionary[object, np.ndarray]" = weakref.WeakKeyDictionary()
         self.released = 0  # bytes given back so far
-
-    def _mapping(self, addr: int):  # noqa: ANN202
-        for base, size, mm in self._maps:
-            if base <= addr < base + size:
-                return base, mm
-        return None, None
 
     def release(self, ops) -> int:  # noqa: ANN001 - LinearOps
         """Release the source pages of tiles packed since the last call; returns bytes released."""
@@ -86,33 +100,10 @@ class PackedSourceReleaser:
         return total
 
     def _drop(self, addr: int, length: int) -> int:
-        base, mm = self._mapping(addr)
-        if mm is None:
+        if not any(base <= addr < base + size and not mm.closed for base, size, mm in self._maps):
             return 0
-        start = -(-(addr - base) // PAGE) * PAGE  # whole pages inside the range only
-        end = (addr - base + length) // PAGE * PAGE
-        if end <= start:
-            return 0
-        try:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (AttributeError, OSError, ValueError) as exc:  # pragma: no cover - platform without madvise
-            log.debug("madvise(DONTNEED) failed: %s", exc)
-            return 0
-        return end - start
-
-
-_libc = None
-
-
-def _madvise_dontneed(start: int, length: int) -> bool:
-    """``madvise(start, length, MADV_DONTNEED)`` through libc; False where that is unavailable."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_DONTNEED) == 0
-    except (OSError, AttributeError):  # pragma: no cover - no libc madvise: memory stays resident
-        return False
+        start, end = _whole_pages(addr, length)
+        return end - start if end > start and _madvise_dontneed(start, end - start) else 0
 
 
 def _mapped(a: np.ndarray) -> bool:
@@ -129,9 +120,7 @@ def release_pages(view: np.ndarray) -> None:
     A view that is not into an ``mmap`` is left alone."""
     if not sys.platform.startswith("linux") or view.nbytes < PAGE or not _mapped(view):
         return
-    addr = view.ctypes.data
-    start = -(-addr // PAGE) * PAGE
-    end = (addr + view.nbytes) // PAGE * PAGE
+    start, end = _whole_pages(view.ctypes.data, view.nbytes)
     if end > start:
         _madvise_dontneed(start, end - start)
 
