@@ -61,3 +61,22 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def append_entry(results: "os.PathLike[str]", section: str, entry: str, intro: str = "") -> None:
+    """Append ``entry`` at the end of ``section`` (a ``## `` heading line) of the markdown file
+    ``results``, creating the file or the section (followed by ``intro``) when missing."""
+    from pathlib import Path
+
+    path = Path(results)
+    body = path.read_text() if path.exists() else "# Benchmark results\n"
+    if section + "\n" not in body:
+        body = body.rstrip("\n") + f"\n\n\n{section}\n\n{intro}\n"
+    start = body.index(section + "\n")
+    nxt = body.find("\n## ", start + 1)
+    entry = "\n" + entry.strip("\n") + "\n"
+    if nxt >= 0:  # the next section follows: insert before it
+        body = body[:nxt + 1] + entry.lstrip("\n") + "\n" + body[nxt + 1:]
+    else:
+        body = body.rstrip("\n") + "\n" + entry
+    path.write_text(body)

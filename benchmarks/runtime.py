@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import idle_fraction, machine, table  # noqa: E402
+from _common import append_entry, idle_fraction, machine, table  # noqa: E402
 from convert import MODELS, QUICK, write_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -91,7 +91,7 @@ print(json.dumps(out))
 
 # The host's streaming bandwidth at the time of the run: our f32 mat-vec (the spread-rows kernel,
 # one multiply-add per 4 bytes: memory-bound) over a 256 MB matrix on 2 threads, median of 8.
-# The machine is shared and its bandwidth moves with the other tenants (38–47 GB/s seen), so the
+# The machine is shared and its bandwidth moves with the other tenants (30–62 GB/s seen), so the
 # decode cells are also reported against what the host delivered in the same run.
 STREAM = r"""
 import json, time, types
@@ -110,31 +110,11 @@ for _ in range(8):
     t0 = time.perf_counter()
     g(x, out, 2)
     ts.append(time.perf_counter() - t0)
-# a raw read of the same bytes: per thread, a 64-lane sum over its half (vectorized; one add per
-# 4 bytes, far below what the cores can do, so it runs at the rate the memory delivers)
-import numba
-@numba.njit(fastmath=True)
-def part(a, i0, i1):
-    acc = np.zeros(64, np.float32)
-    for i in range(i0, i1):
-        for k in range(64):
-            acc[k] += a[i, k]
-    return acc.sum()
-@numba.njit(parallel=True)
-def raw(a, nt):
-    n = a.shape[0] // nt
-    tot = np.zeros(nt, np.float32)
-    for j in numba.prange(nt):
-        tot[j] = part(a, j * n, (j + 1) * n)
-    return tot.sum()
-u = w.reshape(-1, 64)
-raw(u, 2)
-tr = []
-for _ in range(8):
-    t0 = time.perf_counter()
-    raw(u, 2)
-    tr.append(time.perf_counter() - t0)
-print(json.dumps({"gbps": w.nbytes / float(np.median(ts)) / 1e9, "raw_gbps": w.nbytes / float(np.median(tr)) / 1e9}))
+# a plain read of the same bytes (benchmarks/_stream.py)
+import sys
+sys.path.insert(0, BENCH)
+from _stream import read_gbps
+print(json.dumps({"gbps": w.nbytes / float(np.median(ts)) / 1e9, "raw_gbps": read_gbps(w.reshape(-1, 64))}))
 """
 
 
@@ -142,7 +122,8 @@ def host_bandwidth() -> dict:
     """GB/s of the STREAM probe in a fresh process (after waiting for the machine to go quiet):
     ``gbps`` the f32 mat-vec, ``raw_gbps`` a plain 2-thread read of the same 256 MB."""
     wait_idle()
-    proc = subprocess.run([sys.executable, "-c", STREAM], capture_output=True, text=True, timeout=600)
+    code = STREAM.replace("BENCH", repr(str(Path(__file__).resolve().parent)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"bandwidth probe failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -433,18 +414,8 @@ def main() -> None:
                 f"Load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end (other engineers' jobs share "
                 f"the 2 cores); {IDLE['waited']:.0f} s spent waiting for them to go quiet before measured processes, "
                 f"{IDLE['gave_up']} processes started without that.\n")
-        body = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        if "## runtime\n" not in body:
-            body = body.rstrip("\n") + "\n\n\n## runtime\n\nWritten by `benchmarks/runtime.py --write`; see its " \
-                                      "docstring for the protocol and docs/PERFORMANCE.md for the design.\n"
-        start = body.index("## runtime\n")
-        nxt = body.find("\n## ", start + 1)
-        entry = "\n" + head + "\n" + text + "\n"
-        if nxt >= 0:  # the next section follows: insert before it
-            body = body[:nxt + 1] + entry.lstrip("\n") + "\n" + body[nxt + 1:]
-        else:
-            body = body.rstrip("\n") + "\n" + entry
-        RESULTS.write_text(body)
+        append_entry(RESULTS, "## runtime", head + "\n" + text, intro="Written by `benchmarks/runtime.py --write`; "
+                     "see its docstring for the protocol and docs/PERFORMANCE.md for the design.")
 
 
 if __name__ == "__main__":
