@@ -187,6 +187,19 @@ def test_row_kernels_match_numpy() -> None:
     for name, code in ACTS.items():
         fn = activations.ACTIVATIONS[name]
         _close(rowwise.gated_act(g, u, code), fn(g.astype(np.float64)) * u, 2e-6)
+    # in place (the prefill FFN's memory): over g itself, the same values; a read-only or strided
+    # g gets a new array and is left unchanged
+    want = rowwise.gated_act(g, u, ACTS["silu"])
+    g2 = g.copy()
+    got = rowwise.gated_act(g2, u, ACTS["silu"], in_place=True)
+    assert got is g2 and np.array_equal(got, want)
+    frozen = g.copy()
+    frozen.flags.writeable = False
+    for src in (frozen, g.copy()[:, ::2]):
+        before = src.copy()
+        got = rowwise.gated_act(src, u[:, :src.shape[1]], ACTS["silu"], in_place=True)
+        assert got is not src and np.array_equal(src, before)
+        assert np.array_equal(got, rowwise.gated_act(np.ascontiguousarray(src), u[:, :src.shape[1]], ACTS["silu"]))
 
 
 def test_qk_norm_rope_matches_numpy() -> None:

@@ -288,9 +288,12 @@ class DenseFfn:
         g = mm(gate, h) if gate is not None else self.gate.rows(live, h)
         u = mm(up, h) if up is not None else self.up.rows(live, h)
         if h.ndim == 2 and self.act_name in ACTS:
-            a = gated_act(g, u, ACTS[self.act_name])
+            # over g (a fresh product), and u let go before down: a 256-token block held three
+            # [T, intermediate] arrays through down (9 MB on the benchmark model), now one
+            a = gated_act(g, u, ACTS[self.act_name], in_place=True)
         else:
             a = self.act(g) * u
+        del g, u
         if pos is not None:  # group-gathered columns: dead neurons inside kept groups get 0
             x = np.zeros((*a.shape[:-1], down.in_features), np.float32)
             x[..., pos] = a

@@ -46,9 +46,14 @@ def _threads(size: int) -> int:
     return numba.get_num_threads() if size >= PARALLEL_MIN else 1
 
 
-def gated_act(g: np.ndarray, u: np.ndarray, act: int) -> np.ndarray:
-    """act(g)·u for [T, n] blocks (act: a kernels.gemv.ACTS code)."""
-    out = np.empty(g.shape, np.float32)
+def gated_act(g: np.ndarray, u: np.ndarray, act: int, *, in_place: bool = False) -> np.ndarray:
+    """act(g)·u for [T, n] blocks (act: a kernels.gemv.ACTS code). ``in_place``: written over
+    ``g`` when it is a writable C-contiguous float32 array (each element reads only its own g
+    and u), else into a new array."""
+    if in_place and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable and g.shape == u.shape:
+        out = g
+    else:
+        out = np.empty(g.shape, np.float32)
     _gated_rows(g, u, act, out, _threads(g.size))
     return out
 
