@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,32 @@ def resolve_model(spec: str) -> Path:
     return out
 
 
+COMPILE_NOTICE = ("cmf: compiling CPU kernels for this machine and model type: the first use after an install "
+                  "or upgrade waits 10-40 s, once (numba caches them for later runs)")
+_notice = {"shown": False}
+
+
+def _print_notice(name: str) -> None:  # noqa: ARG001 - the kernel's name (logged by the library)
+    if not _notice["shown"]:
+        _notice["shown"] = True
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+
+
+def announce_compiles() -> None:
+    """Print :data:`COMPILE_NOTICE` on stderr the first time this process compiles a kernel (a
+    numba cache miss): otherwise a first run after installing sits silent for up to a minute."""
+    from ..kernels.compiling import on_compile
+
+    on_compile(_print_notice)
+
+
 def load_model(args: argparse.Namespace):
     """The model of ``args``. ``CMF_MOE_MASK``/``CMF_MOE_MASK_COVER`` restrict its experts (in
     ``load``); with ``CMF_MOE_STATS=path`` its expert selection counts are written to ``path``
     when the process exits (spec §11.1)."""
     from ..runtime.model import load
 
+    announce_compiles()
     blend = getattr(args, "blend", None)
     if blend is not None:
         from ..runtime.routing import parse_blend

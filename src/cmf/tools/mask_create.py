@@ -262,6 +262,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``cmf mask create``."""
+    from ._runtime_args import announce_compiles
+
+    announce_compiles()
     rep = create_mask(args.model, args.name, args.calib, keep=args.keep, heldout=args.heldout,
                       per_layer=args.per_layer, heads=args.heads, head_keep=args.head_keep, window=args.window,
                       max_tokens=args.max_tokens, chunks=args.chunks, out=args.output, in_place=args.in_place,

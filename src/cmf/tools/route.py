@@ -33,8 +33,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def open_model(args: argparse.Namespace):
     from ..runtime.model import load
-    from ._runtime_args import resolve_model
+    from ._runtime_args import announce_compiles, resolve_model
 
+    announce_compiles()
     return load(resolve_model(args.model), threads=args.threads)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import sanitize
-from ._runtime_args import add_model_options, resolve_model
+from ._runtime_args import add_model_options, announce_compiles, resolve_model
 
 NAME = "serve"
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     uv_log.setLevel(level)
 
     path = resolve_model(args.model)
+    announce_compiles()
     # load() opens (and so validates) the file; a skill file or a damaged file stops here.
     model = load(path, task=args.task, skill=args.skill, threads=args.threads, ctx_size=args.ctx_size,
                  batch_size=args.batch_size, int8_activations=getattr(args, "int8_act", None))
