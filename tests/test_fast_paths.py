@@ -99,6 +99,29 @@ def test_matvec_groups_match_the_ops(model, name, tag, parallel, monkeypatch) ->
         _close(buf[0, :gu.width], fn(g0) * u0, 1e-5)
 
 
+@pytest.mark.parametrize("name", DTYPES)
+def test_groups_of_one_to_three_matrices_share_one_specialization(model, name) -> None:
+    """Padded to GROUP_SLOTS, a group of 1, 2 or 3 matrices calls the same compiled function with
+    the same argument types (one compilation per family on a first run), and the padding slots
+    write nothing."""
+    from cmf.kernels.gemv import GROUP_SLOTS
+
+    ops = [prepare(model.tensor(f"{name}.a{k}")) for k in range(3)]
+    x = np.random.default_rng(6).standard_normal((1, ops[0].in_features)).astype(np.float32)
+    kinds = set()
+    for n in range(1, GROUP_SLOTS + 1):
+        g = MatvecGroup(ops[:n])
+        out = np.full((1, g.out_features), np.nan, np.float32)
+        call = g.bind(x, out, 1)
+        if call is None:  # q1t runs its tiles itself: no group function
+            assert g.family is None
+            return
+        kinds.add((call[0], tuple(numba.typeof(a) for a in call[1])))
+        call[0](*call[1])
+        _close(out[0], np.concatenate([np.asarray(o(x[0]), np.float64) for o in ops[:n]]))
+    assert len(kinds) == 1
+
+
 def test_matvec_group_of_unhandled_family_falls_back(model) -> None:
     ops = [prepare(model.tensor(f"q1t.b{k}")) for k in range(2)]
     g = MatvecGroup(ops, act="silu")

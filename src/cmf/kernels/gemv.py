@@ -200,8 +200,9 @@ def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs
                  Y, offs, nt, j, act, width, has_tail):  # pragma: no cover - compiled
     for m in range(len(planes)):
         t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
-        tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], lads[m], params[m], exp2tabs[m], readys[m],
-                  srcs[m], scss[m], css[m], xp, xs, xv, xd, Y[:, offs[m]:])
+        if t1 > t0:  # (a padding slot has no tiles)
+            tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], lads[m], params[m], exp2tabs[m],
+                      readys[m], srcs[m], scss[m], css[m], xp, xs, xv, xd, Y[:, offs[m]:])
     if act >= 0 and not has_tail:
         t0, t1 = _chunk(planes[0].shape[0], nt, j, 1)
         apply_act(Y, width, act, t0 * TILE_R, t1 * TILE_R)
@@ -267,6 +268,25 @@ def _family(op) -> str | None:  # noqa: ANN001
     return None
 
 
+# The compiled group products take each matrix's arrays as tuples, and numba compiles one
+# specialization per tuple length: 10 s each for the 4-bit family's parallel driver, 3 s for the
+# row kernels', paid on the first run after an install once for qkv (3), gate/up (2) and o/down
+# (1). Groups of up to GROUP_SLOTS matrices are padded with empty slots (zero rows of the first
+# matrix's arrays, which the kernels skip), so each family compiles one specialization.
+GROUP_SLOTS = 3
+
+
+def _pad(entries: tuple, empty: object) -> tuple:
+    """``entries`` padded with ``empty`` to GROUP_SLOTS (longer tuples as they are)."""
+    return entries + (empty,) * max(0, GROUP_SLOTS - len(entries))
+
+
+def _pad_arrays(entries: tuple) -> tuple:
+    """Per-matrix arrays padded with a zero-row slice of the first (same type: dtype, ndim,
+    layout, read-only flag)."""
+    return _pad(entries, entries[0][:0])
+
+
 class MatvecGroup:
     """``out[0, off_m : off_m + rows_m] = W_m · x`` for every matrix m, or, with ``act``, the
     gated activation ``act(W_0·x)·(W_1·x)`` in ``out[0, :rows]`` (``out`` then holds 2·rows).
@@ -282,6 +302,7 @@ class MatvecGroup:
             raise ValueError("a MatvecGroup needs matrices of one input width")
         self.sizes = [o.out_features for o in self.ops]
         self.offs = np.cumsum([0] + self.sizes[:-1]).astype(np.int64)
+        self._offs = np.concatenate([self.offs, np.zeros(max(0, GROUP_SLOTS - len(self.ops)), np.int64)])
         self.out_features = int(sum(self.sizes))
         self.act = NO_ACT if act is None else ACTS[act]
         if act is not None and (len(self.ops) != 2 or self.sizes[0] != self.sizes[1]):
@@ -304,17 +325,18 @@ class MatvecGroup:
                 np.empty((0, gpr * 8), np.int32)
             self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
-            self._tup = tuple(tuple(getattr(o, a) for o in self.ops) for a in (
-                "kind", "planes", "sc", "cw", "lad", "params", "exp2tab", "ready", "src", "scs", "cs", "tail"))
+            kinds = _pad(tuple(o.kind for o in self.ops), o0.kind)
+            self._tup = (kinds, *(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in (
+                "planes", "sc", "cw", "lad", "params", "exp2tab", "ready", "src", "scs", "cs", "tail")))
             # the arguments around x, built once (the call then only adds x, out and nt)
             self._before = (*self._tup, self._tiles)
             self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)
         elif self.family == "vbit":
-            self._tup = (tuple(o.data for o in self.ops), tuple(o.widths for o in self.ops),
-                         tuple(o.starts for o in self.ops), tuple(np.int64(o.soff) for o in self.ops))
+            self._tup = (*(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in ("data", "widths", "starts")),
+                         _pad(tuple(np.int64(o.soff) for o in self.ops), np.int64(0)))
         elif self.family == "q1":
-            self._tup = (tuple(np.int64(o.kind) for o in self.ops), tuple(o.tiles for o in self.ops),
-                         tuple(o.ptr for o in self.ops), tuple(o.ent for o in self.ops))
+            self._tup = (_pad(tuple(np.int64(o.kind) for o in self.ops), np.int64(self.ops[0].kind)),
+                         *(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in ("tiles", "ptr", "ent")))
         elif self.family is not None:
             none = np.zeros(0, np.float32)
             if self.family == "q8":
@@ -323,7 +345,7 @@ class MatvecGroup:
             else:
                 kind = 0 if self.family == "f32" else self.ops[0].kind
                 ws, ss, cols = tuple(o.w for o in self.ops), (none,) * len(self.ops), (none,) * len(self.ops)
-            self._tup = (ws, kind, ss, cols)
+            self._tup = (_pad_arrays(ws), kind, _pad_arrays(ss), _pad_arrays(cols))
 
     def bind(self, x: np.ndarray, out: np.ndarray, nt: int) -> tuple | None:
         """(compiled function, its arguments) computing ``self(x, out, nt)``, or None when the
@@ -338,17 +360,17 @@ class MatvecGroup:
         if fam in ("vbit", "q1"):
             par, serial = (vbit_group, vbit_group_serial) if fam == "vbit" else (q1_group, q1_group_serial)
             if nt > 1:
-                return par, (*self._tup, x, out, self.offs, self._rows, nt, self.act, self.width)
-            return serial, (*self._tup, x, out, self.offs, self._rows, self.act, self.width)
+                return par, (*self._tup, x, out, self._offs, self._rows, nt, self.act, self.width)
+            return serial, (*self._tup, x, out, self._offs, self._rows, self.act, self.width)
         if fam in ("q8", "f32") or fam.startswith("half"):
             if nt > 1:
-                return rows_group, (*self._tup, x, out, self.offs, nt, self.act, self.width)
-            return rows_group_serial, (*self._tup, x, out, self.offs, self.act, self.width)
+                return rows_group, (*self._tup, x, out, self._offs, nt, self.act, self.width)
+            return rows_group_serial, (*self._tup, x, out, self._offs, self.act, self.width)
         if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
             return None
         if nt > 1:
-            return tiled_group, (*self._before, x, *self._after, out, self.offs, nt, self.act, self.width)
-        return tiled_group_serial, (*self._before, x, *self._after, out, self.offs, self.act, self.width)
+            return tiled_group, (*self._before, x, *self._after, out, self._offs, nt, self.act, self.width)
+        return tiled_group_serial, (*self._before, x, *self._after, out, self._offs, self.act, self.width)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, nt: int | None = None) -> np.ndarray:
         """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``.
