@@ -372,8 +372,11 @@ class Block:
         if not self.alive:
             return x
         a = self.mixer(self._n(x, self.n_in), state, pos0)
+        # the mixer's output is let go before the FFN runs (a [T, hidden] block less at the peak)
         if self.plan.sandwich:
             x = x + self._n(a, self.n_post_attn)
+            del a
             return x + self._n(self.ffn(rms_norm_rows(x, self.n_pre_ffn, self.eps)), self.n_post_ffn)
         x = x + a
+        del a
         return x + self.ffn(self._n(x, self.n_post_attn))
