@@ -141,7 +141,7 @@ def _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width):  # pragma: n
 def rows_group(ws, kind, ss, cols, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
     """Every matrix of ``ws`` (one dtype family) times X[0], one chunk of rows per thread."""
     for j in prange(nt):
-        _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width)
+        _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, np.int64(j), act, width)
 
 
 @numba.njit(**SERIAL)
@@ -164,7 +164,7 @@ def vbit_group(datas, widths, starts, soffs, X, Y, offs, rows, nt, act, width): 
     xs = group_sums(X)
     xp = pair_x(X)
     for j in prange(nt):
-        _vbit_chunk(datas, widths, starts, soffs, X, xs, xp, Y, offs, rows, nt, j, act, width)
+        _vbit_chunk(datas, widths, starts, soffs, X, xs, xp, Y, offs, rows, nt, np.int64(j), act, width)
 
 
 @numba.njit(**SERIAL)
@@ -186,7 +186,7 @@ def q1_group(kinds, tiles, ptrs, ents, X, Y, offs, rows, nt, act, width):  # pra
     """q1 / q1s matrices (sign-bit groups read in place) times X[0] (x's group sums made once)."""
     xs = group_sums(X)
     for j in prange(nt):
-        _q1_chunk(kinds, tiles, ptrs, ents, X, xs, Y, offs, rows, nt, j, act, width)
+        _q1_chunk(kinds, tiles, ptrs, ents, X, xs, Y, offs, rows, nt, np.int64(j), act, width)
 
 
 @numba.njit(**SERIAL)
@@ -216,7 +216,7 @@ def _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, ac
         if tails[m].shape[0]:
             _tail_rows(X, tails[m], kinds[m], srcs[m], scss[m], css[m], params[m], exp2tabs[m], Y[:, offs[m]:])
     if act >= 0:
-        apply_act(Y, width, act, 0, width)
+        apply_act(Y, width, act, np.int64(0), width)
 
 
 @numba.njit(**SERIAL)
@@ -233,9 +233,10 @@ def tiled_group(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs,
     """The 4-bit family: every matrix shares one regrouped (or int8) x (same code width)."""
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
+    # (np.int64: the parfor pass retypes the prange index, and the chunk would compile twice)
     for j in prange(nt):
         _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv,
-                     xd, Y, offs, nt, j, act, width, has_tail)
+                     xd, Y, offs, nt, np.int64(j), act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 

@@ -403,7 +403,7 @@ def block_par(X, tiles, tail, kind, planes, sc, cw, lad, params, exp2tab, ready,
         j0 = min(n, c * step)
         j1 = min(n, j0 + step)
         tiles_block(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xs, xv, xd, Y)
-    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
+    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y[:, 0:])  # 'A' layout, as the group products pass
 
 
 @numba.njit(**SERIAL)
@@ -443,22 +443,24 @@ def _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y):  # pragma: no c
 def matvec(X, tiles, tail, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, Y, pieces):
     """Y = X @ W.T over whole tiles and the tail rows: one call per product, no Python between."""
     xp, xs, xv, xd = _x_parts(X, kind, pieces)  # pragma: no cover - compiled
+    Ya = Y[:, 0:]  # 'A' layout, as the group products pass it: one compiled tiles_run / _tail_rows
     tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd,
-              Y)
-    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
+              Ya)
+    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Ya)
 
 
 @numba.njit(**PARALLEL_ORDERED)
 def matvec_par(X, tiles, tail, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, Y, nt, pieces):
     """``matvec`` with the tiles split across ``nt`` threads (tail rows after, on one)."""
     xp, xs, xv, xd = _x_parts(X, kind, pieces)  # pragma: no cover - compiled
+    Ya = Y[:, 0:]  # 'A' layout, as in matvec
     n = tiles.shape[0]
     step = (n + nt - 1) // nt
     for c in prange(nt):
         j0 = min(n, c * step)
         j1 = min(n, j0 + step)
-        tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Y)
-    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Y)
+        tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd, Ya)
+    _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Ya)
 
 
 @numba.njit(**SERIAL)
