@@ -102,7 +102,7 @@ def vbit_gemm(addr, ilp64, data, widths, starts, soff, table, X, Y, bufs, nt):  
         r = r0
         while r < r1:
             e = min(r1, r + R)
-            _fast._vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, 0, e - r)
+            _fast._vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, np.int64(0), e - r)
             sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
             r = e
 

@@ -84,13 +84,13 @@ def q1_rows_par(kind, tiles, ptr, ent, X, Y, rows, nt):  # pragma: no cover - co
     xs = group_sums(X)
     for j in prange(nt):
         i0, i1 = chunk(rows.shape[0], nt, j, 1)
-        q1_rows(kind, tiles, ptr, ent, X, xs, Y, rows, i0, i1)
+        q1_rows(kind, tiles, ptr, ent, X, xs, Y[:, 0:], rows, i0, i1)  # the group products' layout and types
 
 
 @numba.njit(**SERIAL)
 def q1_rows_all(kind, tiles, ptr, ent, X, Y, rows):  # pragma: no cover - compiled
     """q1_rows over every given row, in one call."""
-    q1_rows(kind, tiles, ptr, ent, X, group_sums(X), Y, rows, 0, rows.shape[0])
+    q1_rows(kind, tiles, ptr, ent, X, group_sums(X), Y[:, 0:], rows, np.int64(0), rows.shape[0])
 
 
 @numba.njit(**SERIAL)

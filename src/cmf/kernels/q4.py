@@ -444,8 +444,8 @@ def matvec(X, tiles, tail, kind, planes, sc, cw, lad, params, exp2tab, ready, sr
     """Y = X @ W.T over whole tiles and the tail rows: one call per product, no Python between."""
     xp, xs, xv, xd = _x_parts(X, kind, pieces)  # pragma: no cover - compiled
     Ya = Y[:, 0:]  # 'A' layout, as the group products pass it: one compiled tiles_run / _tail_rows
-    tiles_run(tiles, 0, tiles.shape[0], kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xp, xs, xv, xd,
-              Ya)
+    tiles_run(tiles, np.int64(0), tiles.shape[0], kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, xp,
+              xs, xv, xd, Ya)
     _tail_rows(X, tail, kind, src, scs, cs, params, exp2tab, Ya)
 
 

@@ -61,13 +61,13 @@ def vbit_rows_par(data, widths, starts, soff, X, Y, rows, nt):  # pragma: no cov
     step = (n + nt - 1) // nt
     for j in prange(nt):
         i0 = min(n, j * step)
-        vbit_rows(data, widths, starts, soff, X, xs, xp, Y, rows, i0, min(n, i0 + step))
+        vbit_rows(data, widths, starts, soff, X, xs, xp, Y[:, 0:], rows, i0, min(n, i0 + step))  # as the group products
 
 
 @numba.njit(**SERIAL)
 def vbit_rows_all(data, widths, starts, soff, X, Y, rows):  # pragma: no cover - compiled
     """vbit_rows over every given row, in one call (group sums included)."""
-    vbit_rows(data, widths, starts, soff, X, group_sums(X), pair_x(X), Y, rows, 0, rows.shape[0])
+    vbit_rows(data, widths, starts, soff, X, group_sums(X), pair_x(X), Y[:, 0:], rows, np.int64(0), rows.shape[0])
 
 
 @numba.njit(**SERIAL)
@@ -106,7 +106,8 @@ def vbit_dequant_rows(data, widths, starts, soff, table, rows, out):  # pragma: 
     gpr = n // GROUP
     for i in range(rows.shape[0]):
         r = rows[i]
-        _fast._vbit_range(data, widths[r:r + 1], starts[r:r + 1], soff + 2 * r * gpr, table, n, out[i:i + 1], 0, 1)
+        _fast._vbit_range(data, widths[r:r + 1], starts[r:r + 1], soff + 2 * r * gpr, table, n, out[i:i + 1],
+                          np.int64(0), np.int64(1))
 
 
 class VbitLinear(FusedLinear):
