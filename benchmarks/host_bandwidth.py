@@ -50,7 +50,8 @@ def measure(files: dict[str, Path], rounds: int, threads: int = 2) -> dict[str, 
 
     kernels.set_threads(threads)
     models = {q: load(str(p), threads=threads) for q, p in files.items()}
-    ids = [int(i) for i in np.random.default_rng(0).integers(0, 32000, PROMPT)]
+    vocab = min(m.plan.vocab for m in models.values())
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, vocab, PROMPT)]
     buf = buffer(256)
     for m in models.values():  # kernels loaded, weights resident
         decode_tps(m, ids)

@@ -112,7 +112,7 @@ for _ in range(8):
     ts.append(time.perf_counter() - t0)
 # a plain read of the same bytes (benchmarks/_stream.py)
 import sys
-sys.path.insert(0, BENCH)
+sys.path.insert(0, sys.argv[1])  # the benchmarks folder
 from _stream import read_gbps
 print(json.dumps({"gbps": w.nbytes / float(np.median(ts)) / 1e9, "raw_gbps": read_gbps(w.reshape(-1, 64))}))
 """
@@ -122,8 +122,8 @@ def host_bandwidth() -> dict:
     """GB/s of the STREAM probe in a fresh process (after waiting for the machine to go quiet):
     ``gbps`` the f32 mat-vec, ``raw_gbps`` a plain 2-thread read of the same 256 MB."""
     wait_idle()
-    code = STREAM.replace("BENCH", repr(str(Path(__file__).resolve().parent)))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", STREAM, str(Path(__file__).resolve().parent)], capture_output=True,
+                          text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"bandwidth probe failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
