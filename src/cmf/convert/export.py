@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..format._atomic import apply_output_mode
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .config import TEXT_TYPES, WRAPPERS, load_config, text_config
@@ -292,6 +293,7 @@ def _write_safetensors(path: Path, entries: list[tuple[_Out, int]], dtype: str,
                 fh.write(mv)
             fh.flush()
             os.fsync(fh.fileno())
+        apply_output_mode(tmp, path)  # a re-export keeps the existing file's mode
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format._atomic import apply_output_mode
 from ..format.reader import open as cmf_open
 from .gguf import NAME_TABLE, permute_qk
 from .gguf_scan import GgufError
@@ -120,6 +121,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], gguf
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+    apply_output_mode(tmp, out)  # a re-export keeps the existing file's mode
     os.replace(tmp, out)
     return out
 

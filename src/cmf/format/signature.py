@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ._atomic import apply_output_mode
 from .errors import IoError, SignatureError
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def sign_file(model_path: str | os.PathLike, key_path: str | os.PathLike | None 
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
+        apply_output_mode(tmp, out)  # umask-based for a new .sig, kept for a re-sign
         os.replace(tmp, out)
     except BaseException:
         try:

@@ -5,7 +5,8 @@ tensor. ``finish()`` lays the file out exactly: envelope at 0, header JSON at 12
 after it, data at the next multiple of 4096 (tensors 64-aligned, payloads ≥ 16 KiB on 4096),
 then masks, vocab and sparse index back to back. The file is written under a temporary name in the
 same folder, fsynced and renamed into place: a failure never leaves a partial file under the
-target name and never touches an existing file there.
+target name and never touches an existing file there. The output gets the mode a plain ``open``
+would give it (an existing target's mode is kept; see ``_atomic``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .constants import (
     Feature,
     DTYPE_BY_LABEL,
 )
+from ._atomic import apply_output_mode
 from .directory import encode_directory
 from .dtypes import validate_payload
 from .envelope import Envelope, Section
@@ -244,6 +246,7 @@ def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | 
             mv = memoryview(blob)
             while len(mv):
                 mv = mv[os.write(fd, mv):]
+        apply_output_mode(fd, target)  # mkstemp made it 0600
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -425,6 +428,7 @@ class CmfWriter:
             while len(mv):
                 n = os.pwrite(sp.fd, mv, end)
                 mv, end = mv[n:], end + n
+        apply_output_mode(sp.fd, self.path)  # the spool came from mkstemp (0600)
         os.fsync(sp.fd)
         os.close(sp.fd)
         sp.fd = -1
