@@ -397,9 +397,40 @@ def test_shard_set(capsys, tmp_path, key):
     _flip(paths[2], paths[2].stat().st_size - 10)
     code, d = run_json(capsys, "verify", paths[0])
     assert code == 1 and d["signatures"][2]["status"] == "invalid"
-    paths[1].unlink()
+    paths[1].unlink()  # a sibling gone: shard 1 is verified alone (spec §10)
     code, out, _ = run(capsys, "verify", paths[0])
-    assert code == 1 and "missing" in out
+    assert code == 0 and "verified shard 1 of 3 alone: siblings absent (missing 2)" in out
+
+
+def test_verify_single_shard_without_siblings(capsys, tmp_path):
+    paths = write_sample(tmp_path / "s.cmf", max_shard_bytes=40000)
+    with cmf.open(paths[1], shards=False) as f:
+        n_alone, size = len(f), f.size
+    paths[0].unlink()
+    paths[2].unlink()
+    code, out, _ = run(capsys, "verify", paths[1])
+    assert code == 0
+    assert out.splitlines()[:2] == [f"{paths[1]}: OK ({n_alone} tensors, {fmt_bytes(size)})",
+                                    "verified shard 2 of 3 alone: siblings absent (missing 1, 3)"]
+    code, d = run_json(capsys, "verify", paths[1])
+    assert code == 0 and d["ok"] is True and d["files"] == [str(paths[1])] and d["tensors"] == n_alone
+    assert d["shard_alone"] == {"no": 2, "count": 3, "missing": [1, 3]}
+    with cmf.open(paths[1], shards=False) as f:
+        first = next(f.tensors()).offset
+    _flip(paths[1], first)
+    code, d = run_json(capsys, "verify", paths[1])  # alone still checks every hash of the shard
+    assert code == 1 and d["shard_alone"]["no"] == 2 and any("hash64" in p for p in d["problems"])
+    with pytest.raises(cmf.errors.MissingShard, match=r"shard 2 of 3: 2 sibling\(s\) missing") as exc:
+        cmf.open(paths[1])  # running still needs the whole set
+    assert (exc.value.no, exc.value.count, exc.value.missing) == (2, 3, (1, 3))
+
+
+def test_verify_complete_set_is_not_alone(capsys, tmp_path):
+    paths = write_sample(tmp_path / "s.cmf", max_shard_bytes=40000)
+    code, d = run_json(capsys, "verify", paths[2])
+    assert code == 0 and d["shard_alone"] is None and d["files"] == [str(p) for p in paths]
+    code, out, _ = run(capsys, "verify", paths[2])
+    assert "alone" not in out
 
 
 def test_sign_creates_default_key(capsys, fresh, monkeypatch, tmp_path):

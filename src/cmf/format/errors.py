@@ -12,7 +12,7 @@ class CmfError(Exception):
 
 
 class FileNotFound(CmfError, FileNotFoundError):
-    """The path does not exist (or a shard sibling is missing)."""
+    """The path does not exist."""
 
 
 class IoError(CmfError, OSError):
@@ -76,6 +76,14 @@ class SignatureError(CmfError):
 
 class ShardError(CmfError):
     """A shard set is incomplete or inconsistent (missing sibling, count mismatch)."""
+
+
+class MissingShard(ShardError):
+    """Opening a shard set found siblings absent; ``missing`` lists their 1-based numbers."""
+
+    def __init__(self, message: str, no: int = 0, count: int = 0, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.no, self.count, self.missing = no, count, tuple(missing)
 
 
 class SkillBaseMismatch(CmfError):

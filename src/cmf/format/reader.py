@@ -27,6 +27,7 @@ from .errors import (
     CmfError,
     FileNotFound,
     IoError,
+    MissingShard,
     MissingTensor,
     ParseError,
     ShardError,
@@ -454,16 +455,17 @@ def _shard_set(path: Path, first: _Part) -> list[_Part]:
     if int(m["count"]) != count or int(m["no"]) != shard.no:
         raise ShardError(f"{path}: file name says shard {int(m['no'])} of {int(m['count'])}, header says "
                          f"{shard.no} of {count}")
+    siblings = {no: path.with_name(shard_name(m["stem"], no, count)) for no in range(1, count + 1)}
+    missing = [no for no, p in siblings.items() if no != shard.no and not p.exists()]
+    if missing:
+        names = ", ".join(siblings[no].name for no in missing)
+        raise MissingShard(f"{path}: shard {shard.no} of {count}: {len(missing)} sibling(s) missing ({names}); "
+                           f"the set cannot run without them (`cmf verify` checks this shard alone)",
+                           no=shard.no, count=count, missing=tuple(missing))
     parts: list[_Part] = []
     try:
-        for no in range(1, count + 1):
-            p = path.with_name(shard_name(m["stem"], no, count))
-            if no == shard.no:
-                part = first
-            elif not p.exists():
-                raise ShardError(f"{path}: shard {no} of {count} is missing (expected {p})")
-            else:
-                part = _open_part(p)
+        for no, p in siblings.items():
+            part = first if no == shard.no else _open_part(p)
             s = part.header.shard
             if s is None or s.count != count or s.no != no:
                 got = "no shard block" if s is None else f"shard {s.no} of {s.count}"

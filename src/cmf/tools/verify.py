@@ -2,8 +2,9 @@
 
 :func:`verify_model` opens the model (each shard on its own, then the set), runs
 ``CmfFile.verify()`` (envelope header/dir hashes, section hashes, every tensor's hash64) and
-checks the detached signature next to each file (spec §8.2). A file that exists but fails
-validation is a *finding* (problems), not a usage error: only a path that cannot be read at all
+checks the detached signature next to each file (spec §8.2). A shard whose siblings are absent
+is verified alone (spec §10: every shard is a standalone file), and the report says so. A file
+that exists but fails validation is a *finding* (problems), not a usage error: only a path that cannot be read at all
 (missing, a directory, no permission) raises.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..format.errors import CmfError, FileNotFound, IoError, SignatureError
+from ..format.errors import CmfError, FileNotFound, IoError, MissingShard, SignatureError
 from ..format.reader import open as cmf_open
 from ..format.signature import signature_path, verify_signature
 from . import fmt_bytes, print_json, sanitize
@@ -29,7 +30,12 @@ ProgressFactory = Callable[[str, int], Callable[[int], None]]
 
 def verify_model(path: str | os.PathLike, pubkey: str | None = None, *,
                  progress: ProgressFactory | None = None) -> dict[str, Any]:
-    """Verify ``path`` and return ``{"path", "files", "tensors", "bytes", "ok", "problems", "signatures"}``.
+    """Verify ``path`` and return ``{"path", "files", "tensors", "bytes", "ok", "problems", "signatures",
+    "shard_alone"}``.
+
+    A shard whose siblings are all present is verified with its whole set. When siblings are
+    missing the file is verified alone (spec §10) and ``shard_alone`` is ``{"no", "count",
+    "missing"}`` (1-based shard numbers); otherwise it is None.
 
     ``signatures`` has one entry per file: ``status`` "valid" (with ``pubkey``), "absent" or
     "invalid" (with ``error``). With ``pubkey`` pinned, a file without a ``.sig`` is a problem.
@@ -38,10 +44,15 @@ def verify_model(path: str | os.PathLike, pubkey: str | None = None, *,
     """
     path = Path(path)
     report: dict[str, Any] = {"path": str(path), "files": [str(path)], "tensors": 0, "bytes": 0,
-                              "ok": False, "problems": [], "signatures": []}
+                              "ok": False, "problems": [], "signatures": [], "shard_alone": None}
     problems: list[str] = report["problems"]
     try:
-        f = cmf_open(path)
+        try:
+            f = cmf_open(path)
+        except MissingShard as exc:
+            # Spec §10: every shard is a standalone file, so verify works on one without its siblings.
+            f = cmf_open(path, shards=False)
+            report["shard_alone"] = {"no": exc.no, "count": exc.count, "missing": list(exc.missing)}
     except (FileNotFound, IoError):
         raise
     except CmfError as exc:
@@ -93,6 +104,10 @@ def render(r: dict[str, Any]) -> str:
         n = len(r["problems"])
         lines = [f"{name}: FAILED, {n} problem{'s' if n != 1 else ''}"]
         lines += [f"  {sanitize(p)}" for p in r["problems"]]
+    alone = r.get("shard_alone")
+    if alone:
+        missing = ", ".join(str(n) for n in alone["missing"])
+        lines.append(f"verified shard {alone['no']} of {alone['count']} alone: siblings absent (missing {missing})")
     sigs = r["signatures"]
     valid = [s for s in sigs if s["status"] == "valid"]
     if valid and len(valid) == len(sigs):
