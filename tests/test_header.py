@@ -258,3 +258,37 @@ def test_memoryview_input_and_no_mutation_of_input():
     snapshot = copy.deepcopy(h.raw)
     h.to_dict()["arch"]["hidden_size"] = 1
     assert h.raw == snapshot
+
+
+# ----------------------------------------------------------------------------- layer schedule
+
+
+@pytest.mark.parametrize("types", [["FullAttention"], ["FullAttention"] * 3])
+def test_layer_types_length_must_equal_num_layers(types):
+    with pytest.raises(ParseError) as exc:
+        parse_header(_enc(_hdr(arch=_arch(layer_types=types))))
+    assert str(exc.value) == (f"header: arch.layer_types lists {len(types)} entries but arch.num_layers is 2; "
+                              "give one per layer (or [] for untagged layers)")
+    with pytest.raises(ParseError, match="lists 1 entries but arch.num_layers is 2"):
+        Arch.from_dict(_arch(layer_types=["FullAttention"]))
+
+
+def test_empty_layer_types_means_untagged():
+    a = parse_header(_enc(_hdr(arch=_arch(layer_types=[])))).arch
+    assert a.layer_types == () and a.layer_kinds == ("FullAttention", "FullAttention")
+
+
+def test_layer_kinds_from_sliding_window_pattern():
+    full, slide, lin = "FullAttention", "SlidingAttention", "LinearAttention"
+    a = Arch.from_dict(_arch(num_layers=7, layer_types=[full] * 7, sliding_window=16, sliding_window_pattern=3))
+    assert a.layer_kinds == (slide, slide, full, slide, slide, full, slide)
+    a = Arch.from_dict(_arch(num_layers=4, layer_types=[], sliding_window=16, sliding_window_pattern=2))
+    assert a.layer_kinds == (slide, full, slide, full)
+    # Tags win over the pattern; a pattern leaves non-attention layers alone.
+    tagged = [slide, full, full, slide]
+    assert Arch.from_dict(_arch(num_layers=4, layer_types=tagged, sliding_window_pattern=2)).layer_kinds == tuple(tagged)
+    mixed = Arch.from_dict(_arch(num_layers=4, layer_types=[lin, full, lin, full], sliding_window_pattern=4))
+    assert mixed.layer_kinds == (lin, slide, lin, full)
+    for pattern in (None, 0, 1):  # absent, degenerate, or every layer global
+        a = Arch.from_dict(_arch(layer_types=[full, full], sliding_window_pattern=pattern))
+        assert a.layer_kinds == (full, full)

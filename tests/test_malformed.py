@@ -983,3 +983,12 @@ def test_single_shard_opens_alone(tmp_path: Path) -> None:
     a = write_shard(tmp_path / "m-00001-of-00002.cmf", 1, 2, ["a"])
     with cmf.open(a, shards=False) as f:
         assert f.keys() == ["a"] and f.verify() == []
+
+
+@pytest.mark.parametrize("types", [["FullAttention"], ["FullAttention"] * 3])
+def test_header_layer_types_wrong_length(tmp_path: Path, patched: Patch, types: list[str]) -> None:
+    h = patched.header_json()
+    assert h["arch"]["num_layers"] == 2
+    h["arch"]["layer_types"] = types
+    expect(tmp_path, patched.rewrite_header(h), ParseError, "layer_types", f"lists {len(types)} entries",
+           "num_layers is 2")

@@ -304,10 +304,34 @@ class Arch:
         """Validate and view an ``arch`` dict; raises :class:`ParseError`."""
         return _build(cls, d if isinstance(d, dict) else dict(d), "arch")
 
+    def __post_init__(self) -> None:
+        n, got = self.num_layers, len(self.layer_types)
+        # [] is "no per-layer tags" (see layer_kinds); any other length cannot say which layer is
+        # which, and silently filling the gap would run wrong operators.
+        if got and got != n:
+            raise ParseError(f"header: arch.layer_types lists {got} entries but arch.num_layers is {n}; "
+                             f"give one per layer (or [] for untagged layers)")
+
     @property
     def num_experts(self) -> int:
         """Routed experts per MoE layer (0 for a dense model)."""
         return self.moe.num_experts if self.moe is not None else 0
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The kind of every layer, as the runtime runs it (REFERENCE_NOTES §3).
+
+        ``layer_types`` as written, ``[]`` meaning all FullAttention. When no layer is tagged
+        SlidingAttention and ``sliding_window_pattern`` (P) is set, the Gemma-3 schedule applies to
+        the attention layers: layer i is global iff (i + 1) % P == 0, else sliding. Writers that
+        store only the pattern rely on this; tags, when present, always win.
+        """
+        kinds = self.layer_types or ("FullAttention",) * self.num_layers
+        pattern = self.sliding_window_pattern
+        if not pattern or "SlidingAttention" in kinds:
+            return kinds
+        return tuple("SlidingAttention" if k == "FullAttention" and (i + 1) % pattern else k
+                     for i, k in enumerate(kinds))
 
 
 @dataclass(frozen=True)
