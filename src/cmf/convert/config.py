@@ -82,6 +82,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      n_shared_experts=1, partial_rotary_factor=0.5),
 }
 
+# The scale and soft-capping keys each family's transformers model actually applies: Gemma 3
+# keeps attn_logit_softcapping in its config but never passes it to attention (only Gemma 2 does),
+# and the header must carry only what the runtime should apply.
+SOFTCAP_KEYS: dict[str, tuple[str, ...]] = {
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
+    "gemma3_text": ("query_pre_attn_scalar", "final_logit_softcapping"),
+}
+
 LAYER_TYPE_NAMES = {"full_attention": "FullAttention", "sliding_attention": "SlidingAttention",
                     "linear_attention": "LinearAttention"}
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
@@ -194,9 +202,12 @@ def _build_arch(mc: ModelConfig) -> None:
             pattern = layer_types.index("FullAttention") + 1
             if layer_types == _pattern_types(layers, pattern):
                 a["sliding_window_pattern"] = pattern
-    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        if mt in ("gemma2", "gemma3_text") and c.get(key) is not None:
+    for key in SOFTCAP_KEYS.get(mt, ()):
+        if c.get(key) is not None:
             a[key] = float(c[key])
+    if mt == "gemma3_text" and c.get("attn_logit_softcapping") is not None:
+        log.info("%s: attn_logit_softcapping %s not recorded: transformers' Gemma 3 does not apply it",
+                 mt, c["attn_logit_softcapping"])
     if "LinearAttention" in layer_types:
         for key in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim"):

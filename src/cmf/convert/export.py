@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..format._atomic import apply_output_mode
+from ..format.header import as_arch
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .config import TEXT_TYPES, WRAPPERS, load_config, text_config
@@ -134,7 +135,7 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
         "head_dim": a["head_dim"], "vocab_size": a["vocab_size"], "rms_norm_eps": a["rms_norm_eps"],
         "max_position_embeddings": a["max_position_embeddings"],
         "tie_word_embeddings": bool(a.get("tie_word_embeddings")),
-        "layer_types": [lt.get(t, t) for t in a["layer_types"]],
+        "layer_types": [lt.get(t, t) for t in as_arch(a).layer_kinds],  # the schedule as run
     }
     act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}.get(a.get("hidden_act", "silu"), "silu")
     cfg["hidden_activation" if mt in ("gemma2", "gemma3_text") else "hidden_act"] = act

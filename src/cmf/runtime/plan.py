@@ -108,10 +108,9 @@ def build_plan(arch, shape_of: Callable[[str], tuple[int, ...] | None]) -> Model
         raise PlanError("no lm_head.weight and tie_word_embeddings is false")
     vocab = shape_of(embed)[0]
     ctx = _Context(arch, shape_of)
-    layers = []
-    for i in range(arch.num_layers):
-        kind = arch.layer_types[i] if i < len(arch.layer_types) else "FullAttention"
-        layers.append(_layer(ctx, i, f"model.layers.{i}.", kind, f"layer {i}"))
+    # layer_kinds: the written tags, or the sliding_window_pattern schedule when no layer is tagged
+    # SlidingAttention (files that carry only the pattern would otherwise run every layer global).
+    layers = [_layer(ctx, i, f"model.layers.{i}.", kind, f"layer {i}") for i, kind in enumerate(arch.layer_kinds)]
     return ModelPlan(
         hidden=hidden, vocab=vocab, eps=float(arch.rms_norm_eps), gemma_norm=arch.norm_style == "gemma",
         embed=embed, lm_head=lm_head, final_norm="model.norm.weight" if has("model.norm.weight") else None,
@@ -201,7 +200,8 @@ def _attention(ctx: _Context, p: str, kind: str, heads: int, where: str) -> Atte
         g_proj=p + "self_attn.g_proj.weight" if has(p + "self_attn.g_proj.weight") else None,
     )
     if sliding and attn.window is None:
-        raise PlanError(f"{where} is SlidingAttention but the header has no sliding_window")
+        why = "" if "SlidingAttention" in arch.layer_types else " (from arch.sliding_window_pattern)"
+        raise PlanError(f"{where} is SlidingAttention{why} but the header has no sliding_window")
     return attn
 
 

@@ -73,7 +73,7 @@ def _bpw(nbytes: int, params: int) -> float | None:
 
 def _arch_summary(a: Any) -> dict[str, Any]:
     kinds: dict[str, int] = defaultdict(int)
-    for k in a.layer_types:
+    for k in a.layer_kinds:  # as run: a sliding_window_pattern without tags counts its sliding layers
         kinds[k] += 1
     out: dict[str, Any] = {
         "arch_name": a.arch_name, "num_layers": a.num_layers, "layer_types": dict(kinds),
