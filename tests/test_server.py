@@ -191,6 +191,61 @@ def test_usage_counts_are_real(client, engine):
     assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == r.choices[0].message.content
 
 
+TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello model tensor"},
+         {"role": "assistant", "content": "weight layer 12."}, {"role": "user", "content": "héllo wörld 🙂\nnext"}]
+
+
+def _tokenize(server, body: dict, path: str = "/v1/tokenize") -> tuple[int, dict]:
+    status, _, raw = request(server, "POST", path, body)
+    return status, json.loads(raw)
+
+
+def test_tokenize_counts_what_the_template_and_tokenizer_make(server, client, engine, model_path):
+    """POST /v1/tokenize: the prompt tokens of a chat body, equal to Hugging Face's own
+    apply_chat_template + tokenizer on the source folder, and to what the chat route counts."""
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(model_path.parent / "hf"))
+    for messages in (HELLO, TURNS):
+        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = hf.encode(text, add_special_tokens=False)
+        status, body = _tokenize(server, {"model": MODEL_ID, "messages": messages, "return_ids": True})
+        assert status == 200, body
+        assert body == {"object": "tokenize", "model": MODEL_ID, "prompt_tokens": len(expected), "ctx_size": 4096,
+                        "max_tokens": 4096 - len(expected), "ids": expected}
+        assert chat(client, messages=messages, max_tokens=1).usage.prompt_tokens == len(expected)
+        # the budget it names is the chat route's: one token more is refused, quoting the same count
+        status, _, raw = request(server, "POST", "/v1/chat/completions",
+                                 {"model": MODEL_ID, "messages": messages, "max_tokens": body["max_tokens"] + 1})
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded"
+        assert f"({len(expected)} in the prompt" in err["message"]
+    # without return_ids only the counts; the same body a chat request sends (sampling, stream) is fine
+    status, body = _tokenize(server, {"messages": HELLO, "max_tokens": 512, "temperature": 0.8, "stream": True,
+                                      "stream_options": {"include_usage": True}, "cmf": {"skill": "terse"}},
+                             path="/tokenize")
+    assert status == 200 and set(body) == {"object", "model", "prompt_tokens", "ctx_size", "max_tokens"}
+    assert body["prompt_tokens"] == len(prompt_ids_for(engine.model, HELLO))
+
+
+def test_tokenize_completion_prompts_and_refusals(server, client):
+    text = "hello model tensor"
+    n_text = client.completions.create(model=MODEL_ID, prompt=text, max_tokens=1, temperature=0).usage.prompt_tokens
+    status, body = _tokenize(server, {"prompt": text, "return_ids": True})
+    assert status == 200 and body["prompt_tokens"] == n_text == len(body["ids"])
+    assert _tokenize(server, {"prompt": [5, 6, 7]})[1]["prompt_tokens"] == 3
+    # a prompt past the context is counted, not refused: max_tokens 0 says it cannot run
+    status, body = _tokenize(server, {"messages": [{"role": "user", "content": LONG}]})
+    assert status == 200 and body["prompt_tokens"] > 4096 and body["max_tokens"] == 0
+    for bad_body, code, param in (({"messages": []}, "invalid_value", "messages"),
+                                  ({"messages": HELLO, "return_ids": 1}, "invalid_type", "return_ids"),
+                                  ({"prompt": [10**9]}, "invalid_value", "prompt"),
+                                  ({}, "missing_field", "messages")):
+        status, body = _tokenize(server, bad_body)
+        assert status == 400 and body["error"]["code"] == code and body["error"]["param"] == param, body
+    status, body = _tokenize(server, {"model": "other", "messages": HELLO})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
 def test_sse_wire_format_ends_with_done(server):
     status, headers, raw = request(server, "POST", "/v1/chat/completions", {
         "model": MODEL_ID, "messages": HELLO, "max_tokens": 4, "temperature": 0, "stream": True,

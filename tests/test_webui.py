@@ -7,12 +7,16 @@ is absent (`.ci/run` installs Debian's `chromium` and `chromium-driver`).
 
 What the page shows is checked against the server's own answers: a streamed reply must equal the
 greedy answer the API gives for the same conversation, Stop must leave the server idle, the skill
-chosen in the panel must be in the request's ``cmf`` object. A screenshot of the page after a reply
+chosen in the panel must be in the request's ``cmf`` object. A second server runs a model with a
+48-token context: its first message must be answered (the page caps max_tokens to what the
+context leaves), the context line must show the server's own token counts, and a conversation
+that no longer fits must not be sent. A screenshot of the page after a reply
 goes to ``$CMF_WEBUI_SCREENSHOT`` (default: the test's tmp dir); ``docs/webui.png`` is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +53,7 @@ from cmf.runtime.routing import fit_selection  # noqa: E402
 KEY = "webui-key"
 MODEL_ID = "tiny"
 CTX = 32768  # long enough that a generation cannot end by itself before Stop is pressed
+SMALL_CTX = 48  # far under the page's default max_tokens (512): the page must cap it
 BROWSERS = ("chromium", "chromium-browser")
 # Without the background-networking flags Chromium opens connections of its own (updates, sync,
 # QUIC probes), which a closed network refuses; the page itself only talks to the loopback server.
@@ -69,17 +74,22 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"no {_MISSING} on PATH: 
                                 "Chromium (Debian: apt-get install chromium chromium-driver)")
 
 
+def _tiny_model(root: Path, ctx: int) -> Path:
+    """The tiny qwen3 at q8 with a context of ``ctx`` tokens."""
+    hf = _tiny_qwen3(root / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["max_position_embeddings"] = ctx
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = root / "tiny.cmf"
+    convert(hf, out, quant="q8")
+    return out
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny qwen3 at q8, context 32k, with a skill whose quality was "measured" (fixture
     numbers), a measured task mask and an unmeasured one."""
-    root = tmp_path_factory.mktemp("webui")
-    hf = _tiny_qwen3(root / "hf")
-    cfg = json.loads((hf / "config.json").read_text())
-    cfg["max_position_embeddings"] = CTX
-    (hf / "config.json").write_text(json.dumps(cfg))
-    out = root / "tiny.cmf"
-    convert(hf, out, quant="q8")
+    out = _tiny_model(tmp_path_factory.mktemp("webui"), CTX)
     rng = np.random.default_rng(7)
     head = (rng.standard_normal((H.VOCAB, 64)) * 0.3).astype("<f4")
     masks = MaskSet(default_task="general", masks=[
@@ -137,11 +147,16 @@ class Served:
         assert status == 200, body
         return body["choices"][0]["message"]["content"]
 
+    def count(self, messages: list[dict]) -> int:
+        """The prompt tokens of a conversation after the chat template (the server's /v1/tokenize)."""
+        status, body = self.call("POST", "/v1/tokenize", dict(model=MODEL_ID, messages=messages))
+        assert status == 200, body
+        return body["prompt_tokens"]
 
-@pytest.fixture(scope="module")
-def served(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`cmf serve` on the tiny model, port 0, with an API key; stopped with Ctrl-C (SIGINT)."""
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+
+@contextlib.contextmanager
+def _serve(model_path: Path, log_path: Path) -> Iterator[Served]:
+    """`cmf serve` on ``model_path``, port 0, with an API key; stopped with Ctrl-C (SIGINT)."""
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--alias", MODEL_ID,
            "--api-key", KEY, "--max-queue", "4"]
     with open(log_path, "w") as log:  # a file, not a pipe: access lines must never block the server
@@ -167,6 +182,21 @@ def served(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
+def served(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`cmf serve` on the 32k-context model."""
+    with _serve(model_path, tmp_path_factory.mktemp("serve") / "serve.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`cmf serve` on a plain tiny model (no skill, no masks) whose context is SMALL_CTX tokens."""
+    root = tmp_path_factory.mktemp("webui-small")
+    with _serve(_tiny_model(root, SMALL_CTX), root / "serve.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Headless Chromium with a fresh profile, driven through the system's chromedriver."""
     options = webdriver.ChromeOptions()
@@ -184,15 +214,20 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         d.quit()
 
 
-@pytest.fixture
-def page(driver: Any, served: Served) -> Any:
-    """The chat page with a fresh conversation and the API key already stored."""
+def _open(driver: Any, served: Served) -> Any:
+    """The chat page of ``served`` with a fresh conversation and the API key already stored."""
     driver.set_window_size(1280, 800)
     driver.get(served.url + "/")
     driver.execute_script("localStorage.clear(); localStorage.setItem('cmf.webui.apiKey', arguments[0]);", KEY)
     driver.refresh()
     _wait_model(driver)
     return driver
+
+
+@pytest.fixture
+def page(driver: Any, served: Served) -> Any:
+    """The chat page of the 32k-context model, fresh."""
+    return _open(driver, served)
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -250,14 +285,30 @@ def _finished_reply(d: Any, n_messages: int, timeout: float = 30.0) -> dict[str,
 
 
 def _spy_requests(d: Any) -> None:
-    """Record the body of every fetch the page makes from now on (in window.__sent)."""
+    """Record the body of every request the page makes from now on: chat completions in
+    window.__sent, token counts (/v1/tokenize) in window.__counted."""
     d.execute_script("""
         window.__sent = [];
+        window.__counted = [];
         const real = window.fetch;
         window.fetch = (url, opts) => {
-            if (opts && opts.body) window.__sent.push(JSON.parse(opts.body));
+            if (opts && opts.body) {
+                const to = String(url).endsWith('/tokenize') ? window.__counted : window.__sent;
+                to.push(JSON.parse(opts.body));
+            }
             return real(url, opts);
         };""")
+
+
+def _context_line(d: Any) -> str:
+    return d.find_element(By.ID, "context").text
+
+
+def _context_text(used: int, ctx: int) -> str:
+    """The context line the page shows for a prompt of ``used`` tokens."""
+    if used >= ctx:
+        return f"context: {used:,} / {ctx:,} tokens used · the conversation no longer fits: start a new chat"
+    return f"context: {used:,} / {ctx:,} tokens used · {ctx - used:,} left for the reply"
 
 
 def _screenshot_path(tmp_path: Path) -> Path:
@@ -434,13 +485,14 @@ def test_reload_keeps_the_conversation_and_new_chat_clears_it(page, served):
 
 
 def test_server_errors_are_shown(page, served):
-    _set(page, "max-tokens", str(CTX + 10))
-    _send(page, "too long a wish")
-    reply = _finished_reply(page, 2)
-    assert "Error 400" in reply["error"] and "context_length_exceeded" in reply["error"]
-    assert "maximum context length" in reply["error"] and "finish: error" in reply["stats"]
-    # a bad "extra" is refused by the page before anything is sent
+    # refused by the chat route (the skill is checked there, not by the token count before it)
     _set(page, "max-tokens", "4")
+    _set(page, "extra", '{"cmf": {"skill": "nope"}}')
+    _send(page, "an unknown skill")
+    reply = _finished_reply(page, 2)
+    assert "Error 404" in reply["error"] and "skill_not_found" in reply["error"] and "param cmf.skill" in reply["error"]
+    assert "no skill 'nope'" in reply["error"] and "finish: error" in reply["stats"]
+    # a bad "extra" is refused by the page before anything is sent
     _set(page, "extra", "{not json")
     _send(page, "again")
     _wait(page, lambda d: "not valid JSON" in d.find_element(By.ID, "composer-error").text)
@@ -472,3 +524,54 @@ def test_narrow_screen(page):
     assert page.execute_script("return document.documentElement.scrollWidth") <= width
     toggle.click()
     assert not page.find_element(By.ID, "panel").is_displayed()
+
+
+def test_small_context_first_message_is_answered_and_the_context_shown(driver, small_served):
+    """A 48-token context: the page's default max_tokens (512) would be a 400; the page sends what
+    the context leaves, shows the server's counts, and does not send what no longer fits."""
+    page = _open(driver, small_served)
+    _wait(page, lambda d: _context_line(d) == _context_text(0, SMALL_CTX), message=_context_line(page))
+    assert page.find_element(By.ID, "max-tokens").get_attribute("value") == "512"
+    _set(page, "temperature", "0")
+    _set(page, "extra", '{"ignore_eos": true}')  # the reply runs up to the cap
+    _spy_requests(page)
+    first = [{"role": "user", "content": "hello model"}]
+    n_first = small_served.count(first)
+    page.find_element(By.ID, "prompt").send_keys(first[0]["content"])
+    # the draft is counted while it is typed, before anything is sent
+    _wait(page, lambda d: _context_line(d) == _context_text(n_first, SMALL_CTX), message=_context_line(page))
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+    reply = _finished_reply(page, 2)
+    left = SMALL_CTX - n_first
+    assert reply["error"] == "" and "finish: length" in reply["stats"], reply
+    assert f"{left} tokens" in reply["stats"] and f"max tokens capped at {left} by the context" in reply["stats"]
+    sent = page.execute_script("return window.__sent")
+    assert len(sent) == 1 and sent[0]["max_tokens"] == left
+    # it was counted first, with the very body it then sent (before the cap)
+    counted = page.execute_script("return window.__counted")
+    assert dict(sent[0], max_tokens=512) in counted
+    assert reply["text"] == small_served.greedy(first, left, ignore_eos=True)
+
+    # the line now counts the conversation with the reply, as the server does
+    history = first + [{"role": "assistant", "content": reply["text"]}]
+    n_history = small_served.count(history)
+    _wait(page, lambda d: _context_line(d) == _context_text(n_history, SMALL_CTX), message=_context_line(page))
+    # a message that cannot fit is not sent: the page says why and keeps it in the box
+    long = "tensor weight " * 8
+    long_turn = [{"role": "user", "content": long}]
+    n_long = small_served.count(long_turn)
+    assert small_served.count(history + long_turn) > SMALL_CTX > n_long
+    _send(page, long)
+    _wait(page, lambda d: "no longer fits" in d.find_element(By.ID, "composer-error").text)
+    assert "start a new chat" in page.find_element(By.ID, "composer-error").text.lower()
+    assert "no longer fits" in _context_line(page) and "full" in page.find_element(By.ID, "context").get_attribute("class")
+    assert len(page.execute_script("return window.__sent")) == 1 and len(_replies(page)) == 2
+    assert page.find_element(By.ID, "prompt").get_attribute("value") == long
+    assert not page.find_element(By.ID, "send").get_attribute("disabled")
+    # a new chat has the whole context again, and the kept message is answered in it
+    page.find_element(By.ID, "new-chat").click()
+    _wait(page, lambda d: _context_line(d) == _context_text(n_long, SMALL_CTX), message=_context_line(page))
+    assert not page.find_element(By.ID, "composer-error").is_displayed()
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+    reply = _finished_reply(page, 2)
+    assert reply["error"] == "" and page.execute_script("return window.__sent")[-1]["max_tokens"] == SMALL_CTX - n_long

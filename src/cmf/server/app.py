@@ -1,8 +1,8 @@
 """The HTTP surface: an ASGI app (Starlette) over an :class:`~cmf.server.engine.Engine`.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``,
-``POST /v1/completions`` (each ``/v1`` route also answers without the prefix, as llama.cpp's
-does). ``GET /`` and ``/static/…`` serve the web UI when the package ships one (``static/``
+``POST /v1/completions``, ``POST /v1/tokenize`` (each ``/v1`` route also answers without the
+prefix, as llama.cpp's does). ``GET /`` and ``/static/…`` serve the web UI when the package ships one (``static/``
 beside this file, see :func:`create_app`).
 
 Every refusal has OpenAI's error shape; an unexpected exception becomes a 500 with a generic
@@ -252,6 +252,23 @@ class _Api:
                         "max_tokens", "context_length_exceeded")
         return requested
 
+    async def _chat_ids(self, req: S.ChatRequest) -> list[int]:
+        """The prompt ids of a chat request: its messages through the model's chat template."""
+        from ..runtime.generate import prompt_ids_for
+
+        return await run_in_threadpool(prompt_ids_for, self.model, req.messages, tools=req.tools,
+                                       thinking=req.thinking)
+
+    async def _completion_ids(self, req: S.CompletionRequest) -> list[int]:
+        """The prompt ids of a completion request: its ids, or its text with the special tokens."""
+        if isinstance(req.prompt, str):
+            ids = await run_in_threadpool(self.engine.tokenizer.encode, req.prompt, add_special_tokens=True)
+        else:
+            ids = req.prompt
+        if not ids:
+            raise S.bad("the prompt encodes to no tokens", "prompt", "invalid_value")
+        return ids
+
     def _submit(self, job: Job) -> None:
         try:
             self.engine.submit(job)
@@ -324,15 +341,22 @@ class _Api:
         self._check_model(request.path_params["model_id"])
         return JSONResponse(S.model_card(self.model_id, self.created, self.info))
 
+    async def tokenize(self, request: Request) -> Response:
+        """The prompt tokens a chat (or completion) body would run with, against the context:
+        what a client needs to pick a ``max_tokens`` the model can serve, without generating."""
+        body = await _read_json(request, self.max_body)
+        parsed = S.parse_tokenize(body, vocab=self.vocab)
+        req = parsed.request
+        self._check_model(req.model)
+        ids = await (self._chat_ids(req) if isinstance(req, S.ChatRequest) else self._completion_ids(req))
+        return JSONResponse(S.tokenize_result(self.model_id, ids, self.model.ctx_size, return_ids=parsed.return_ids))
+
     async def chat(self, request: Request) -> Response:
         body = await _read_json(request, self.max_body)
         req = S.parse_chat(body, vocab=self.vocab)
         self._check_model(req.model)
         task, skill, blend = self._selection(req.selection)
-        from ..runtime.generate import prompt_ids_for
-
-        ids = await run_in_threadpool(prompt_ids_for, self.model, req.messages, tools=req.tools,
-                                      thinking=req.thinking)
+        ids = await self._chat_ids(req)
         max_tokens = self._budget(len(ids), req.sampling.max_tokens, "messages")
         chan = _Channel()
         job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
@@ -384,15 +408,11 @@ class _Api:
         req = S.parse_completion(body, vocab=self.vocab)
         self._check_model(req.model)
         task, skill, blend = self._selection(req.selection)
-        tok = self.engine.tokenizer
+        ids = await self._completion_ids(req)
         if isinstance(req.prompt, str):
-            ids = await run_in_threadpool(tok.encode, req.prompt, add_special_tokens=True)
             prompt_text = req.prompt
         else:
-            ids = req.prompt
-            prompt_text = tok.decode(ids, skip_special_tokens=False) if req.echo else ""
-        if not ids:
-            raise S.bad("the prompt encodes to no tokens", "prompt", "invalid_value")
+            prompt_text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         max_tokens = self._budget(len(ids), req.sampling.max_tokens, "prompt")
         chan = _Channel()
         want_lp = req.logprobs is not None
@@ -499,6 +519,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, max
             Route(f"{prefix}/models/{{model_id:path}}", _endpoint(api.model_card), methods=["GET"]),
             Route(f"{prefix}/chat/completions", _endpoint(api.chat), methods=["POST"]),
             Route(f"{prefix}/completions", _endpoint(api.completions), methods=["POST"]),
+            Route(f"{prefix}/tokenize", _endpoint(api.tokenize), methods=["POST"]),
         ]
     if static_dir is not None and (Path(static_dir) / "index.html").is_file():
         from starlette.staticfiles import StaticFiles

@@ -7,7 +7,7 @@ OpenAI-compatible servers do, except the few whose silent omission would change 
 (``n`` > 1, ``best_of`` > 1, ``suffix``, a structured ``response_format``): those are refused.
 
 Responses are built here too, so their shapes live in one file: ``chat.completion``,
-``chat.completion.chunk``, ``text_completion``, ``model``/``list`` and the error body.
+``chat.completion.chunk``, ``text_completion``, ``model``/``list``, ``tokenize`` and the error body.
 """
 
 from __future__ import annotations
@@ -419,6 +419,26 @@ def parse_completion(body: Any, *, vocab: int) -> CompletionRequest:
                              echo=_bool(body, "echo"), selection=_selection(body))
 
 
+@dataclass
+class TokenizeRequest:
+    """A validated ``POST /v1/tokenize`` body: a chat body (``messages``) or a completion body
+    (``prompt``), parsed as its own route would parse it, so that the count is the route's."""
+
+    request: ChatRequest | CompletionRequest
+    return_ids: bool = False
+
+
+def parse_tokenize(body: Any, *, vocab: int) -> TokenizeRequest:
+    """Validate a tokenize body: with ``messages`` a chat body, else with ``prompt`` a completion body."""
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {_type_name(body)}", None, "invalid_type")
+    if "messages" not in body and "prompt" in body:
+        req: ChatRequest | CompletionRequest = parse_completion(body, vocab=vocab)
+    else:
+        req = parse_chat(body, vocab=vocab)
+    return TokenizeRequest(req, _bool(body, "return_ids"))
+
+
 # ----------------------------------------------------------------------------------- responses
 
 
@@ -519,4 +539,15 @@ def model_card(model_id: str, created: int, extra: dict[str, Any] | None = None)
     out: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "cmf"}
     if extra:
         out["cmf"] = extra
+    return out
+
+
+def tokenize_result(model_id: str, ids: list[int], ctx_size: int, *, return_ids: bool = False) -> dict[str, Any]:
+    """The ``tokenize`` object: the prompt's token count against the context, and what is left
+    for ``max_tokens`` (0 when the prompt leaves no token to generate)."""
+    n = len(ids)
+    out: dict[str, Any] = {"object": "tokenize", "model": model_id, "prompt_tokens": n, "ctx_size": ctx_size,
+                           "max_tokens": max(ctx_size - n, 0)}
+    if return_ids:
+        out["ids"] = list(ids)
     return out

@@ -2,6 +2,10 @@
 // read through fetch + ReadableStream, so that the request can carry a bearer key and be stopped
 // with an AbortController; EventSource can do neither).
 //
+// Before each request the page asks /v1/tokenize how many tokens the conversation takes after the
+// chat template: max_tokens is capped to what the context leaves, and a conversation that no
+// longer fits is not sent at all (the server would refuse it with context_length_exceeded).
+//
 // Model output is only ever put into the page as text (textContent / Text nodes), never parsed
 // as HTML: a model can emit any markup.
 "use strict";
@@ -13,11 +17,13 @@
     system: "", temperature: 0.8, top_p: 0.95, max_tokens: 512, task: "", skill: "", extra: "",
   };
   const SAVE_EVERY_MS = 1000;
+  const COUNT_DELAY_MS = 250;  // the live context count waits for a pause in typing
 
   const $ = (id) => document.getElementById(id);
   const el = {
     modelName: $("model-name"), log: $("log"), empty: $("empty"), status: $("status"),
     form: $("composer"), composerError: $("composer-error"), prompt: $("prompt"), send: $("send"),
+    context: $("context"),
     stop: $("stop"), newChat: $("new-chat"),
     panel: $("panel"), panelToggle: $("panel-toggle"), layout: document.querySelector(".layout"),
     modelError: $("model-error"), facts: $("model-facts"), dtypeBody: document.querySelector("#dtype-table tbody"),
@@ -34,6 +40,9 @@
     card: null,          // the model card's "cmf" block
     controller: null,    // AbortController of the request in flight
     afterKey: null,      // what to retry once a key has been entered
+    counted: null,       // the last live count: {used, ctx, left}, or null while unknown
+    countSeq: 0,         // the number of the latest live count (older answers are dropped)
+    countTimer: null,
   };
 
   // ------------------------------------------------------------------------------ storage
@@ -326,6 +335,7 @@
       el.modelError.hidden = false;
     }
     renderModel();
+    refreshContext();
   }
 
   // ------------------------------------------------------------------------------ settings
@@ -365,6 +375,9 @@
   for (const input of [el.system, el.temperature, el.topP, el.maxTokens, el.task, el.skill, el.extra]) {
     input.addEventListener("change", readSettingsFromForm);
   }
+  // The system prompt and template options in the extra fields take context too.
+  for (const input of [el.system, el.extra]) input.addEventListener("change", scheduleContext);
+  el.prompt.addEventListener("input", scheduleContext);
 
   // The "cmf" object of a request: only what the user chose, so the server's defaults apply otherwise.
   function selection(settings) {
@@ -375,7 +388,9 @@
     return Object.keys(cmf).length ? cmf : null;
   }
 
-  function requestBody(settings, extra) {
+  // The messages a request carries: the system prompt, the conversation, then ``draft`` (the
+  // message about to be sent) when it is not blank.
+  function conversationMessages(settings, draft) {
     const messages = [];
     if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
     for (const m of state.conversation.messages) {
@@ -384,6 +399,11 @@
         messages.push({ role: m.role, content: m.content });
       }
     }
+    if (draft && draft.trim()) messages.push({ role: "user", content: draft });
+    return messages;
+  }
+
+  function requestBody(settings, extra, messages) {
     const body = {};
     if (state.modelId) body.model = state.modelId;
     if (settings.temperature !== null) body.temperature = settings.temperature;
@@ -409,6 +429,88 @@
     return value;
   }
 
+  // ------------------------------------------------------------------------------ context
+
+  const formatTokens = (n) => n.toLocaleString("en-US");
+
+  // How many tokens ``body`` takes after the chat template: {ok, used, ctx, left} from the server's
+  // /v1/tokenize (``left`` is the largest max_tokens it can serve), or {ok: false, status, error}.
+  async function countTokens(body, signal) {
+    const response = await fetch("/v1/tokenize", {
+      method: "POST", headers: headers(true), body: JSON.stringify(body), signal,
+    });
+    if (!response.ok) return { ok: false, status: response.status, error: await errorOf(response) };
+    const d = await response.json();
+    return { ok: true, used: d.prompt_tokens, ctx: d.ctx_size, left: d.max_tokens };
+  }
+
+  // max_tokens (and the newer max_completion_tokens, which the server prefers) no larger than
+  // what the context leaves; absent, the server already generates up to the context.
+  function capBudget(body, left) {
+    let capped = null;
+    for (const key of ["max_tokens", "max_completion_tokens"]) {
+      if (typeof body[key] === "number" && body[key] > left) {
+        body[key] = left;
+        capped = left;
+      }
+    }
+    return capped;
+  }
+
+  function renderContext() {
+    const c = state.counted;
+    const ctx = c ? c.ctx : state.card && state.card.ctx_size;
+    el.context.hidden = typeof ctx !== "number";
+    if (el.context.hidden) return;
+    const full = Boolean(c) && c.left < 1;
+    el.context.classList.toggle("full", full);
+    if (!c) {
+      el.context.textContent = `context: ? / ${formatTokens(ctx)} tokens used`;
+    } else if (full) {
+      el.context.textContent = `context: ${formatTokens(c.used)} / ${formatTokens(ctx)} tokens used · ` +
+        "the conversation no longer fits: start a new chat";
+    } else {
+      el.context.textContent = `context: ${formatTokens(c.used)} / ${formatTokens(ctx)} tokens used · ` +
+        `${formatTokens(c.left)} left for the reply`;
+    }
+  }
+
+  // Count the conversation with what is typed so far, and show it by the message box.
+  async function refreshContext() {
+    clearTimeout(state.countTimer);
+    state.countTimer = null;
+    const seq = ++state.countSeq;
+    const settings = state.conversation.settings;
+    const messages = conversationMessages(settings, el.prompt.value);
+    const ctx = state.card && state.card.ctx_size;
+    if (!messages.length) {  // nothing to template yet
+      state.counted = typeof ctx === "number" ? { used: 0, ctx, left: ctx } : null;
+      renderContext();
+      return;
+    }
+    let extra = {};
+    try {
+      extra = parseExtra(settings.extra);
+    } catch (_) {
+      extra = {};  // said when sending; the count goes on without the extra fields
+    }
+    let counted = null;
+    try {
+      const got = await countTokens(requestBody(settings, extra, messages));
+      if (got.ok) counted = got;
+    } catch (_) {
+      counted = null;  // the server is unreachable: sending will say so
+    }
+    if (seq !== state.countSeq) return;  // a newer count was asked for meanwhile
+    state.counted = counted;
+    renderContext();
+  }
+
+  function scheduleContext() {
+    clearTimeout(state.countTimer);
+    state.countTimer = setTimeout(refreshContext, COUNT_DELAY_MS);
+  }
+
   // ------------------------------------------------------------------------------ messages
 
   function statsText(stats) {
@@ -418,6 +520,7 @@
     if (typeof stats.tps === "number" && isFinite(stats.tps)) parts.push(`${stats.tps.toFixed(1)} tok/s`);
     if (typeof stats.ttft_ms === "number") parts.push(`first token ${Math.round(stats.ttft_ms)} ms`);
     if (stats.finish) parts.push(`finish: ${stats.finish}`);
+    if (typeof stats.capped === "number") parts.push(`max tokens capped at ${stats.capped} by the context`);
     if (stats.task) parts.push(`task: ${stats.task}`);
     if (stats.ran) parts.push(stats.ran);
     return parts.join(" · ");
@@ -513,6 +616,22 @@
 
   // ------------------------------------------------------------------------------ chat
 
+  // An error by the message box (nothing was sent; the message stays there); "" hides it.
+  function composerError(message) {
+    el.composerError.textContent = message;
+    el.composerError.hidden = !message;
+  }
+
+  // The prompt's count for the request about to go (see countTokens); null when Stop ended the wait.
+  async function countForSend(body, signal) {
+    try {
+      return await countTokens(body, signal);
+    } catch (err) {
+      if (err.name === "AbortError") return null;
+      return { ok: false, status: 0, error: `Could not reach the server: ${err.message}` };
+    }
+  }
+
   async function send(text) {
     if (state.controller || !text.trim()) return;
     readSettingsFromForm();
@@ -521,16 +640,36 @@
     try {
       extra = parseExtra(settings.extra);
     } catch (err) {
-      // Nothing is sent and the message stays in the box, to send again once fixed.
-      el.composerError.textContent = err.message;
-      el.composerError.hidden = false;
+      composerError(err.message);
       return;
     }
-    el.composerError.hidden = true;
+    composerError("");
+    const body = requestBody(settings, extra, conversationMessages(settings, text));
+    const controller = new AbortController();
+    state.controller = controller;
+    setBusy(true);
+    setStatus("Counting the prompt's tokens…");
+    const count = await countForSend(body, controller.signal);
+    if (count === null || (count.ok && count.left < 1)) {
+      state.controller = null;
+      setBusy(false);
+      if (count === null) {
+        setStatus("Stopped.");
+        return;
+      }
+      // The server would refuse it (context_length_exceeded): say so instead of sending.
+      state.counted = count;
+      renderContext();
+      composerError(`The conversation no longer fits the model's context: with this message the prompt is ` +
+        `${formatTokens(count.used)} tokens of the ${formatTokens(count.ctx)} it holds, which leaves none ` +
+        "for the reply. Start a new chat (or shorten the system prompt).");
+      setStatus("Not sent: the conversation no longer fits the context.");
+      return;
+    }
+    const capped = count.ok ? capBudget(body, count.left) : null;
     el.prompt.value = "";
     const conversation = state.conversation;
     conversation.messages.push({ role: "user", content: text });
-    const body = requestBody(settings, extra);
     const reply = { role: "assistant", content: "", pending: true, stats: null };
     conversation.messages.push(reply);
     saveConversation();
@@ -538,9 +677,6 @@
     scrollToEnd(true);
     const node = el.log.lastElementChild;
 
-    const controller = new AbortController();
-    state.controller = controller;
-    setBusy(true);
     setStatus("Generating…");
     const t0 = performance.now();
     let tFirst = null;
@@ -559,7 +695,7 @@
       const seconds = tFirst === null ? 0 : (now - tFirst) / 1000;
       reply.stats = {
         tokens: pieces, tps: seconds > 0 ? pieces / seconds : undefined,
-        ttft_ms: tFirst === null ? undefined : tFirst - t0,
+        ttft_ms: tFirst === null ? undefined : tFirst - t0, capped: capped === null ? undefined : capped,
       };
     };
     const paint = () => {
@@ -575,12 +711,13 @@
     };
 
     try {
-      const response = await fetch("/v1/chat/completions", {
+      // A count the server refused (a wrong key, an invalid field) is the answer the request would get.
+      const response = count.ok ? await fetch("/v1/chat/completions", {
         method: "POST", headers: headers(true), body: JSON.stringify(body), signal: controller.signal,
-      });
-      if (!response.ok) {
-        reply.error = await errorOf(response);
-        if (response.status === 401) {
+      }) : null;
+      if (!response || !response.ok) {
+        reply.error = response ? await errorOf(response) : count.error;
+        if ((response ? response.status : count.status) === 401) {
           localStorage.removeItem(STORE_KEY);
           askKey("The server refused the request: enter its API key, then send again.", loadModel);
         }
@@ -653,6 +790,7 @@
       saveConversation();
       setStatus(reply.error ? reply.error : finish === "stopped" ? "Stopped." : "Reply complete.");
       scrollToEnd(false);
+      refreshContext();
     }
   }
 
@@ -687,6 +825,8 @@
     state.conversation.messages = [];
     saveConversation();
     renderConversation();
+    composerError("");
+    refreshContext();
     setStatus("New chat.");
     el.prompt.focus();
   });
