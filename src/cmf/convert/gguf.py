@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .gguf_scan import GgufError, scan
-from .gguf_tokenizer import tokenizer_json_from_gguf
+from .gguf_tokenizer import check_tokenizer_vocab, tokenizer_json_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,12 @@ def gguf_to_hf(path: str | os.PathLike[str], folder: str | os.PathLike[str], *,
     arch = meta.get("general.architecture")
     names = {t.name for t in reader.tensors}
     if tokenizer is not None:
-        tok_json = Path(tokenizer).read_text(encoding="utf-8")
+        try:
+            tok_json = Path(tokenizer).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GgufError(f"--tokenizer {tokenizer}: cannot read it ({exc})") from None
+        # an explicit tokenizer replaces the GGUF's pre-tokenizer name, but must index the same tokens
+        check_tokenizer_vocab(tok_json, meta, str(tokenizer))
     else:
         tok_json = tokenizer_json_from_gguf(meta)
     emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)

@@ -1,4 +1,10 @@
-"""GGUF vocabulary ↔ Hugging Face tokenizer.json (byte-level BPE, the `gpt2` GGUF tokenizer model)."""
+"""GGUF vocabulary ↔ Hugging Face tokenizer.json (byte-level BPE, the `gpt2` GGUF tokenizer model).
+
+The split of text into words before BPE is not stored in a GGUF, only named
+(``tokenizer.ggml.pre``); :mod:`cmf.convert.gguf_pretok` maps every name llama.cpp knows to the
+Hugging Face pre-tokenizer it stands for. The synthesized tokenizer.json records the name under
+``pre_tokenizer.gguf_pre`` (readers ignore the key) so that GGUF export writes it back.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +12,18 @@ import json
 import logging
 from typing import Any
 
+from .gguf_pretok import build, pre_name, split_for
 from .gguf_scan import GgufError
 
 log = logging.getLogger(__name__)
 
-# tokenizer.ggml.pre → the split regex of the matching Hugging Face pre-tokenizer.
-PRE_REGEX = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-}
-NFC_PRE = {"qwen2"}
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+PRE_KEY = "gguf_pre"  # where a synthesized tokenizer.json keeps the GGUF's tokenizer.ggml.pre
 
 
 def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     """Synthesize tokenizer.json from ``tokenizer.ggml.*`` metadata (byte-level BPE only)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
@@ -40,17 +41,12 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
         if not sep:
             raise GgufError(f"GGUF merge {m[:40]!r} is not 'left right'")
         pairs.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
-    pre = meta.get("tokenizer.ggml.pre") or "gpt-2"
-    regex = PRE_REGEX.get(pre)
-    if regex is None:
-        log.warning("unknown tokenizer.ggml.pre %r: using the GPT-2 split regex", pre)
-        regex = PRE_REGEX["gpt-2"]
-    if pre in NFC_PRE:
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    name, split = split_for(meta.get("tokenizer.ggml.pre"))  # raises for a name we cannot honour
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=split.ignore_merges))
+    normalizer, pre = build(split)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     specials = [AddedToken(t, special=(ty == TOKEN_CONTROL), normalized=False)
                 for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
@@ -62,14 +58,18 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tok.to_str()
+    data = json.loads(tok.to_str())
+    data["pre_tokenizer"][PRE_KEY] = name
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def gguf_vocab_from_tokenizer_json(data: bytes | str, n_vocab: int = 0) -> dict[str, Any]:
+def gguf_vocab_from_tokenizer_json(data: bytes | str, n_vocab: int = 0, prefer: str | None = None) -> dict[str, Any]:
     """tokens, merges, token types and pre-tokenizer name for GGUF export from a tokenizer.json.
 
     The list is padded with unused ``[PADi]`` entries up to ``n_vocab`` (the embedding rows):
-    llama.cpp requires one token per embedding row.
+    llama.cpp requires one token per embedding row. The pre-tokenizer name is the table entry
+    whose split equals the tokenizer.json's; among names sharing it, ``prefer`` or the name an
+    imported file recorded wins (see :func:`cmf.convert.gguf_pretok.pre_name`).
     """
     tj = json.loads(data)
     model = tj.get("model") or {}
@@ -81,16 +81,58 @@ def gguf_vocab_from_tokenizer_json(data: bytes | str, n_vocab: int = 0) -> dict[
         vocab.setdefault(a["content"], a["id"])
     n = max(max(vocab.values()) + 1 if vocab else 0, n_vocab)
     tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [5] * n  # UNUSED for holes
+    types = [TOKEN_UNUSED] * n  # for holes
     for t, i in vocab.items():
         tokens[i] = t
         a = added.get(t)
         types[i] = TOKEN_NORMAL if a is None else (TOKEN_CONTROL if a.get("special") else TOKEN_USER_DEFINED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    pre = "gpt-2"
-    text = json.dumps(tj.get("pre_tokenizer") or {})
-    for name, regex in PRE_REGEX.items():
-        if json.dumps(regex)[1:-1] in text:
-            pre = name
+    pre_tok = tj.get("pre_tokenizer")
+    recorded = pre_tok.get(PRE_KEY) if isinstance(pre_tok, dict) else None
+    pre = pre_name(tj, prefer=prefer or recorded)
     post = json.dumps(tj.get("post_processor") or {})
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre, "add_bos": "TemplateProcessing" in post}
+
+
+def check_tokenizer_vocab(data: str | bytes, meta: dict[str, Any], source: str) -> None:
+    """Refuse a tokenizer.json (``--tokenizer``) whose ids do not spell the GGUF's tokens."""
+    try:
+        tj = json.loads(data)
+    except ValueError as exc:
+        raise GgufError(f"{source}: not a tokenizer.json ({exc})") from None
+    if not isinstance(tj, dict):
+        raise GgufError(f"{source}: not a tokenizer.json object")
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise GgufError(f"{source}: the GGUF has no tokenizer.ggml.tokens to check it against")
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    vocab = (tj.get("model") or {}).get("vocab")
+    ids: dict[int, str] = {}
+    if isinstance(vocab, dict):
+        ids = {i: t for t, i in vocab.items() if isinstance(i, int)}
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
+        ids = {i: e[0] for i, e in enumerate(vocab) if isinstance(e, list) and e}
+    for a in tj.get("added_tokens") or []:
+        if isinstance(a, dict) and isinstance(a.get("id"), int):
+            ids[a["id"]] = a.get("content")
+    bad = []
+    for i, t in enumerate(tokens):
+        have = ids.get(i)
+        if have == t:
+            continue
+        kind = types[i] if i < len(types) else TOKEN_NORMAL
+        if have is None and (kind == TOKEN_UNUSED or t == f"[PAD{i}]"):
+            continue  # llama.cpp's converter fills embedding rows without a token with [PADi]
+        if have is not None and kind == TOKEN_USER_DEFINED and have.replace("\u2581", " ") == t:
+            continue  # the converter writes user-defined tokens with spaces for U+2581 (Gemma)
+        bad.append((i, t, have))
+    extra = sorted(i for i in ids if i >= len(tokens))
+    if bad or extra:
+        parts = []
+        if bad:
+            i, t, have = bad[0]
+            parts.append(f"{len(bad)} of the GGUF's {len(tokens)} token ids differ (first: id {i} is {t!r} in the "
+                         f"GGUF, {have!r} in the tokenizer.json)")
+        if extra:
+            parts.append(f"{len(extra)} ids from {extra[0]} on are beyond the GGUF's vocabulary")
+        raise GgufError(f"{source}: vocabulary does not match the GGUF: {'; '.join(parts)}")

@@ -19,7 +19,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUT.cmf")
     p.add_argument("--quant", default="q8", help="target dtype policy, as for cmf convert (default q8)")
     p.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
-                   help="use this tokenizer.json instead of synthesizing one from the GGUF vocabulary")
+                   help="use this tokenizer.json (the model's Hugging Face one; its vocabulary must match "
+                   "the GGUF's tokens) instead of synthesizing one from the GGUF vocabulary: needed when "
+                   "tokenizer.ggml.pre is a name pycmf does not know or the vocabulary is not byte-level BPE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
     return p
