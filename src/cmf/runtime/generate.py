@@ -13,6 +13,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..kernels.compiling import install as install_compile_timer
+from ..kernels.compiling import totals as compile_totals
 from .sampling import Processor, Sampler, make_logits_processors, make_sampler
 from .speculative import SpecStats, speculative_generate_step
 
@@ -33,6 +35,9 @@ class GenerationResponse:
     spec_rounds: int = 0  # speculative decoding: verify rounds that carried drafts
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # Seconds this generation spent compiling kernels (numba cache misses: a first run after an
+    # install), left out of prompt_tps (compiled before the first token) and generation_tps.
+    compile_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -110,6 +115,10 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                     spec_k: int = 3) -> Iterator[GenerationResponse]:
     """Yield text deltas; the last response carries ``finish_reason`` ("stop" or "length").
 
+    The rates leave out the time spent compiling kernels (``compile_seconds``): they measure the
+    model, not numba's first run. Callers that want them measured without any compile in the
+    timed span warm the kernels first (``cmf run`` does).
+
     ``spec``/``spec_k``: MTP speculative decoding (see :func:`generate_step`); responses carry its
     counters (``spec_rounds``, ``spec_drafted``, ``spec_accepted``, ``acceptance_rate``).
 
@@ -127,18 +136,24 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     hold = max((len(s) for s in stops), default=1) - 1  # chars kept back while a stop string may be forming
     decoder = tok.stream_decoder()
+    install_compile_timer()
+    c0 = compile_totals().seconds
     t0 = time.perf_counter()
-    t_first = None
+    t_first = c_first = None
     text_so_far, emitted = "", 0
     n = 0
 
     def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
         now = time.perf_counter()
+        c_now = compile_totals().seconds
+        c_pre = (c_now if c_first is None else c_first) - c0
+        c_dec = 0.0 if c_first is None else c_now - c_first
         pre = (t_first or now) - t0
-        dec = now - (t_first or now)
-        return GenerationResponse(text, token, finish, len(ids), n, len(ids) / pre if pre > 0 else 0.0,
+        dec = now - (t_first or now) - c_dec
+        return GenerationResponse(text, token, finish, len(ids), n,
+                                  len(ids) / (pre - c_pre) if pre - c_pre > 0 else 0.0,
                                   (n - 1) / dec if dec > 0 and n > 1 else 0.0, _peak_mb(), pre,
-                                  stats.rounds, stats.drafted, stats.accepted)
+                                  stats.rounds, stats.drafted, stats.accepted, c_pre + c_dec)
 
     finish = "length"
     stats = SpecStats()
@@ -146,7 +161,7 @@ def stream_generate(model, prompt, *, max_tokens: int = 256, temperature: float 
                           spec_k=spec_k, spec_stats=stats)
     for token, logits in steps:
         if t_first is None:
-            t_first = time.perf_counter()
+            t_first, c_first = time.perf_counter(), compile_totals().seconds
         n += 1
         if on_token is not None:
             on_token(token, logits)

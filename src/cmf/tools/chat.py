@@ -1,4 +1,7 @@
-"""``cmf chat``: interactive multi-turn chat (/reset, /system TEXT, /exit; Ctrl-C stops a reply)."""
+"""``cmf chat``: interactive multi-turn chat (/reset, /system TEXT, /exit; Ctrl-C stops a reply).
+
+The kernels are warmed before the first prompt (``_warmup``); when that or a later reply compiled
+kernels, one ``[compiled kernels in N s ...]`` line on stderr says so."""
 
 from __future__ import annotations
 
@@ -7,6 +10,9 @@ import sys
 from typing import Any
 
 from ._runtime_args import add_model_options, load_model, sampling_kwargs
+from ._warmup import compile_clause, drain, warm_up
+
+WARM_UP_CHAT = [{"role": "user", "content": "Hello!"}]  # a short turn: the template's own shapes
 
 NAME = "chat"
 SUMMARY = "interactive multi-turn chat with the model"
@@ -25,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     system = args.system
     history: list[dict] = []
     interactive = sys.stdin.isatty()
+    _say_compiled(warm_up(model, lambda: drain(model.stream(WARM_UP_CHAT, system=system,
+                                                            **dict(kwargs, max_tokens=2)))))
     while True:
         if interactive:
             sys.stderr.write("> ")
@@ -52,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply: list[str] = []
+        compiled = 0.0
         try:
             for r in model.stream(history, system=system, **kwargs):
+                compiled = r.compile_seconds
                 if r.text:
                     reply.append(r.text)
                     sys.stdout.write(r.text)
@@ -62,4 +72,11 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write("\n[interrupted]")
         sys.stdout.write("\n")
         sys.stdout.flush()
+        _say_compiled(compiled)  # a prompt shape the warm-up did not take
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _say_compiled(seconds: float) -> None:
+    if seconds:
+        sys.stderr.write(f"[{compile_clause(seconds)}]\n")
+        sys.stderr.flush()
