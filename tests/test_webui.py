@@ -564,7 +564,8 @@ def test_small_context_first_message_is_answered_and_the_context_shown(driver, s
     _send(page, long)
     _wait(page, lambda d: "no longer fits" in d.find_element(By.ID, "composer-error").text)
     assert "start a new chat" in page.find_element(By.ID, "composer-error").text.lower()
-    assert "no longer fits" in _context_line(page) and "full" in page.find_element(By.ID, "context").get_attribute("class")
+    assert "no longer fits" in _context_line(page)
+    assert "full" in page.find_element(By.ID, "context").get_attribute("class")
     assert len(page.execute_script("return window.__sent")) == 1 and len(_replies(page)) == 2
     assert page.find_element(By.ID, "prompt").get_attribute("value") == long
     assert not page.find_element(By.ID, "send").get_attribute("disabled")
