@@ -957,9 +957,16 @@ def test_shard_sibling_without_shard_block(tmp_path: Path) -> None:
         cmf.open(a)
 
 
-def test_shard_name_does_not_match_header(tmp_path: Path) -> None:
+def test_shard_block_without_shard_name_opens_alone(tmp_path: Path) -> None:
+    """A `cortiq compact` of a set keeps the shard block in one file: no pattern, no siblings."""
     a = write_shard(tmp_path / "model.cmf", 1, 2, ["a"])
-    with pytest.raises(ShardError):
+    with cmf.open(a) as f:
+        assert f.keys() == ["a"] and f.paths == [a] and f.header.shard.count == 2
+
+
+def test_shard_name_numbers_do_not_match_header(tmp_path: Path) -> None:
+    a = write_shard(tmp_path / "m-00001-of-00003.cmf", 1, 2, ["a"])
+    with pytest.raises(ShardError, match="1 of 3"):
         cmf.open(a)
 
 

@@ -450,8 +450,11 @@ def _shard_set(path: Path, first: _Part) -> list[_Part]:
     count = shard.count
     m = SHARD_RE.match(path.name)
     if not m:
-        raise ShardError(f"{path}: header says shard {shard.no} of {count}, but the file name does not "
-                         f"follow '<stem>-NNNNN-of-NNNNN.cmf'")
+        # Not a set: `cortiq compact` of a shard set writes one file that keeps the input's shard
+        # block verbatim (moedefrag.rs cmd_compact); only a shard name makes siblings to look for.
+        log.info("%s: header says shard %d of %d, but the name is not '<stem>-NNNNN-of-NNNNN.cmf': "
+                 "opened as a single file", path, shard.no, count)
+        return [first]
     if int(m["count"]) != count or int(m["no"]) != shard.no:
         raise ShardError(f"{path}: file name says shard {int(m['no'])} of {int(m['count'])}, header says "
                          f"{shard.no} of {count}")
