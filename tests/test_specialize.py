@@ -137,8 +137,8 @@ def test_masked_runtime_equals_transformers_with_masked_weights_zeroed(qwen3, ta
 
 def test_mask_with_every_bit_set_is_exactly_unmasked_and_takes_the_fast_path(qwen3):
     ids = O.prompt(4)
-    with cmf.load(qwen3) as m:
-        assert m.task == "general" and m.tasks == ["half", "heads", "gate", "all"]
+    with cmf.load(qwen3, task="none") as m:  # "none": unmasked (the default would be "half")
+        assert m.task is None and m.tasks == ["half", "heads", "gate", "all"]
         ref = m.logits(ids)
         m.select(task="all")
         assert np.array_equal(m.logits(ids), ref)
@@ -160,13 +160,15 @@ def test_task_switching_is_cheap_and_reversible(qwen3):
         assert [b.ffn._masked for b in m._blocks] == gathered
         assert m._blocks == blocks and m.file is file
         assert np.array_equal(m.logits(ids), half)
-        m.select()
-        assert m.task == "general" and all(b.ffn._live is None for b in m._blocks)
+        m.select(task="none")
+        assert m.task is None and all(b.ffn._live is None for b in m._blocks)
+        m.select()  # the default rule: no "general" mask, so the Fallback one (task 0, "half")
+        assert m.task == "half" and [b.ffn._masked for b in m._blocks] == gathered
 
 
 def test_switching_to_an_unmeasured_mask_warns(qwen3, caplog):
     with caplog.at_level(logging.WARNING, logger="cmf"):
-        with cmf.load(qwen3) as m:
+        with cmf.load(qwen3, task="all") as m:
             assert "unmeasured" not in caplog.text
             m.select(task="all")  # measured
             assert "unmeasured" not in caplog.text
@@ -210,7 +212,7 @@ def test_masked_out_ffn_rows_are_never_read(qwen3, tmp_path):
         else:
             assert np.array_equal(got, ref)
         np.testing.assert_allclose(step[0], ref[0], atol=1e-5, rtol=0)
-    with cmf.load(nan_file) as m:  # the unmasked model does read them
+    with cmf.load(nan_file, task="none") as m:  # the unmasked model does read them
         assert np.isnan(m.logits(ids[:4])).all()
 
 
@@ -341,7 +343,7 @@ def test_a_masks_dead_ffn_weights_are_not_resident(tmp_path):
             return np.concatenate([present_pages(base + t.offset + margin, t.nbytes - 2 * margin)
                                    for t in m.file.tensors() if ".mlp." in t.name])
 
-    unmasked, half = ffn_present(None), ffn_present("half")
+    unmasked, half = ffn_present("none"), ffn_present("half")
     assert unmasked.size > 1000 and unmasked.mean() > 0.99
     assert not half.any()
 
@@ -451,9 +453,12 @@ def test_mask_create_quality_equals_a_fresh_cmf_ppl_ratio(texts, tmp_path, capsy
     q = rep["quality"]
     assert q["metric"] == "heldout_ppl_ratio" and q["n_samples"] > 0 and len(q["dataset_sha256"]) == 64
     ppl = {}
-    for task in ([], ["--task", "calib"]):
+    for task in (["--task", "none"], ["--task", "calib"]):
         assert main(["ppl", str(out), "-f", str(texts / "heldout.txt"), "--window", "48", "--json", *task]) == 0
-        ppl[bool(task)] = json.loads(capsys.readouterr().out)
+        ppl[task[1] == "calib"] = json.loads(capsys.readouterr().out)
+    # The first mask of a file is its Fallback (task 0): with "general" absent it is the default.
+    assert main(["ppl", str(out), "-f", str(texts / "heldout.txt"), "--window", "48", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ppl"] == ppl[True]["ppl"]
     assert q["baseline_dense"] == ppl[False]["ppl"] and q["n_samples"] == ppl[False]["tokens"]
     assert q["value"] == ppl[True]["ppl"] / ppl[False]["ppl"]
     import hashlib

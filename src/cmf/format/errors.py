@@ -95,4 +95,9 @@ class WriterError(CmfError):
 
 
 class NotRunnable(CmfError):
-    """The file opens for inspection but cannot be executed (e.g. a standalone SKILL_FILE)."""
+    """The file opens for inspection but cannot be executed (e.g. a standalone SKILL_FILE, or a
+    header key this runtime does not model); ``unmet`` names the keys when known."""
+
+    def __init__(self, message: str, unmet: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unmet = tuple(unmet)

@@ -16,10 +16,13 @@ from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .blocks import Block, MoeFfn
 from .cache import Cache
+from .features import check_runnable
+from .load_checks import moe_keep, verify_or_refuse
 from .memory import PackedSourceReleaser, release_compiler_pages, release_pages
 from .ops.decode import rms_norm_into
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .plan import ModelPlan, build_plan
+from .task_masks import NO_TASK, resolve_task
 from .weights import Weights
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class Model:
         if file.is_skill_file:
             raise NotRunnable(f"{file.path} is a standalone skill file (SKILL_FILE): a partial tensor set, "
                               f"not a model. Attach it first: cmf skill apply BASE {file.path.name} -o OUT.cmf")
+        # A key this runtime does not model is refused here, never ignored (runtime/features.py).
+        check_runnable(file.header, file.keys(), file.path)
         self.file = file
         self.arch = file.arch
         self._reference = reference_kernels
@@ -70,7 +75,8 @@ class Model:
         self._bb_weights: Weights | None = None  # backbone view for routing while a skill is active
         self.weights = Weights(file, None if skill in ("auto", "none") else skill,
                                reference_kernels=reference_kernels, int8_activations=self.int8_activations)
-        self.task: str | None = None
+        self.task: str | None = None  # the active task mask's name (None: unmasked)
+        self._task_request: str | None = task  # what the caller asked: a name, NO_TASK or None (the rule)
         self.plan: ModelPlan = build_plan(self.arch, self.weights.shape)
         self.ctx_size = int(ctx_size or self.plan.max_positions)
         self.batch_size = max(1, int(DEFAULT_BATCH if batch_size is None else batch_size))
@@ -78,7 +84,7 @@ class Model:
         self._route_counts = False
         self._forwards = 0
         self._releaser = PackedSourceReleaser(file)
-        self._moe_keep = _moe_keep(moe_mask, moe_mask_cover, self.plan) if moe_mask is not None else {}
+        self._moe_keep = moe_keep(moe_mask, moe_mask_cover, self.plan) if moe_mask is not None else {}
         self._prepare()
         self.select(task=task)
         if blend is not None:
@@ -137,7 +143,10 @@ class Model:
         (CMF_MOE_MASK) ∧ the task mask's row. Called after every selection change."""
         mask = getattr(self, "_adhoc_mask", None)
         if mask is None:
-            mask = self.file.masks.get(self.task) if (self.file.masks is not None and getattr(self, "task", None)) else None
+            # The default rule depends on the active skill (its input_mask_task), so it is resolved
+            # after every selection change, routed prompts included.
+            self.task = resolve_task(self.file, self._task_request, self.weights.skill)
+            mask = self.file.masks.get(self.task) if (self.file.masks is not None and self.task) else None
         from .task_masks import apply_task_mask
 
         apply_task_mask(self, mask)
@@ -205,15 +214,18 @@ class Model:
         given, else by the next :meth:`stream`/:meth:`generate`. Returns the routing.Route made
         here, or None.
 
+        ``task``: a mask name, ``"none"`` (:data:`NO_TASK`: run unmasked) or None: the default
+        rule (:func:`resolve_task`: the selected skill's ``input_mask_task``, else the file's
+        ``default_task``, else its Fallback-priority mask, else its first mask).
+
         Unknown names raise UnknownTask / UnknownSkill. Switching re-prepares only the layers
         whose tensors change (the others keep their prepared operators).
         """
         self._adhoc_mask = None  # back to the file's masks (see use_mask)
-        if task is not None and task not in self.tasks:
-            raise UnknownTask(f"{self.file.path}: no task {task!r} (tasks: {', '.join(self.tasks) or 'none'})")
-        if task is None and self.file.masks is not None:
-            task = self.file.masks.default_task
-        self.task = task
+        if task is not None and task != NO_TASK and task not in self.tasks:
+            raise UnknownTask(f"{self.file.path}: no task {task!r} (tasks: {', '.join(self.tasks) or 'none'}; "
+                              f"'{NO_TASK}' runs unmasked)")
+        self._task_request = task
         if blend is not None:
             if skill not in (..., None, "none"):
                 raise ValueError("give a skill or a blend, not both")
@@ -322,10 +334,18 @@ class Model:
         subs = self.subspaces()
         scores: dict[str, float] = {}
         phis: dict[int, np.ndarray] = {}
-        for sub in subs:
-            if sub.phi_layer not in phis:
-                phis[sub.phi_layer] = self.residual(ids, sub.phi_layer).astype(np.float64).mean(axis=0)
-            scores[sub.skill] = recon_error(phis[sub.phi_layer], sub)
+        # φ is the unmasked backbone's, as the reference routes on a fresh pipeline (main.rs
+        # cmd_run → router::route over Pipeline::from_model): an active task mask is lifted.
+        from .task_masks import apply_task_mask
+
+        apply_task_mask(self, None)
+        try:
+            for sub in subs:
+                if sub.phi_layer not in phis:
+                    phis[sub.phi_layer] = self.residual(ids, sub.phi_layer).astype(np.float64).mean(axis=0)
+                scores[sub.skill] = recon_error(phis[sub.phi_layer], sub)
+        finally:
+            self._apply_expert_masks()
         ranked = dict(sorted(scores.items(), key=lambda kv: kv[1]))
         return Route(ranked, next(iter(ranked), None), len(ids))
 
@@ -499,8 +519,14 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
          threads: int | None = None, ctx_size: int | None = None, reference_kernels: bool = False,
          batch_size: int | None = DEFAULT_BATCH, moe_mask: "str | os.PathLike | dict | None" = None,
          moe_mask_cover: float | None = None, blend: "Mapping[str, float] | str | None" = None,
-         int8_activations: bool | None = None) -> Model:
+         int8_activations: bool | None = None, verify: bool = False) -> Model:
     """Open a .cmf (or any shard of a set) and build a runnable Model.
+
+    ``verify``: check the whole hash chain first (spec §1.2 "a loader flag": envelope header and
+    directory hashes, section hashes, every tensor's hash64, over all shards); any mismatch raises
+    :class:`HashMismatch` and nothing runs. Off by default: it reads every byte of the file.
+
+    ``task``: a mask name, ``"none"`` (unmasked) or None (the default rule, :meth:`Model.select`).
 
     ``int8_activations``: decode the 4-bit family (q4_block, q4_tiled, q4tp, q2tp) and q1t with
     input vectors quantized to one int8 piece per group of 32, as llama.cpp does for Q4_0,
@@ -530,6 +556,8 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
             pass
     file = cmf_open(Path(path))
     try:
+        if verify:
+            verify_or_refuse(file)
         return Model(file, skill=skill, task=task, ctx_size=ctx_size, reference_kernels=reference_kernels,
                      batch_size=batch_size, moe_mask=moe_mask, moe_mask_cover=moe_mask_cover, blend=blend,
                      int8_activations=int8_activations)
@@ -551,43 +579,3 @@ def _plan_names(obj: Any) -> set[str]:
         elif hasattr(o, "__dataclass_fields__"):
             stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
     return out
-
-
-DEFAULT_MOE_COVER = 0.95  # moe-defrag's default cover (REFERENCE_NOTES §2)
-
-
-def _moe_keep(spec, cover: float | None, plan: ModelPlan) -> dict[int, np.ndarray]:
-    """Per MoE layer, the experts a route-statistics mask admits (spec §11.1)."""
-    import json
-
-    from .ops.moe import cover_mask
-    from .plan import MoePlan
-
-    if isinstance(spec, dict):
-        data, where = spec, "moe mask"
-    else:
-        where = str(spec)
-        try:
-            data = json.loads(Path(spec).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CmfError(f"{where}: cannot read the expert mask statistics ({exc})") from None
-    if not isinstance(data, dict):
-        raise CmfError(f"{where}: expert statistics must be a JSON object {{layer: [count per expert]}}")
-    cover = DEFAULT_MOE_COVER if cover is None else float(cover)
-    if not 0.0 < cover <= 1.0:
-        raise CmfError(f"moe mask cover {cover} is not in (0, 1]")
-    keep: dict[int, np.ndarray] = {}
-    for key, counts in data.items():
-        try:
-            i = int(key)
-            arr = np.asarray(counts, dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            raise CmfError(f"{where}: entry {key!r} is not layer -> [count per expert]") from None
-        if not 0 <= i < len(plan.layers) or not isinstance(plan.layers[i].ffn, MoePlan):
-            log.warning("%s: layer %s is not an MoE layer of this model; ignored", where, key)
-            continue
-        n = plan.layers[i].ffn.n_experts
-        if arr.size != n or (arr < 0).any() or not np.isfinite(arr).all():
-            raise CmfError(f"{where}: layer {i} has {arr.size} counts (must be {n} non-negative numbers)")
-        keep[i] = cover_mask(arr, cover)
-    return keep

@@ -221,7 +221,7 @@ class _Api:
     def _selection(self, sel: S.Selection) -> tuple[str | None, str | None, Any]:
         """The (task, skill, blend) a request runs with; 404 for names the file does not have."""
         task = self.engine.default_task if sel.task is ... else sel.task
-        if task is not None and task not in self.model.tasks:
+        if task is not None and task != "none" and task not in self.model.tasks:  # "none": unmasked
             raise S.RequestError(404, f"no task '{task[:200]}' in this model (tasks: "
                                       f"{', '.join(self.model.tasks) or 'none'})", param="cmf.task",
                                  code="task_not_found")

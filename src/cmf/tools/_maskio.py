@@ -142,7 +142,7 @@ def heldout_quality(model, mask: TaskMask, text: str, sha256: str, window: int =
         model.use_mask(mask)
         masked = perplexity(model, ids, window, chunks)
     finally:
-        model.select(task=previous if previous in model.tasks else None)
+        model.select(task=previous if previous in model.tasks else "none")
     log.info("mask %r: held-out ppl %.4f vs %.4f unmasked over %d tokens", mask.name, masked["ppl"],
              dense["ppl"], dense["tokens"])
     return {"metric": "heldout_ppl_ratio", "value": masked["ppl"] / dense["ppl"],

@@ -24,7 +24,11 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
     p.add_argument("--blend", default=None, metavar="auto|ID:W,...",
                    help="soft blend of skills (weights normalized; none = the backbone); auto: the two "
                         "best-routed skills, w ~ exp(-E/0.4)")
-    p.add_argument("--task", default=None, help="task mask to activate (name)")
+    p.add_argument("--task", default=None, metavar="NAME|none",
+                   help="task mask to activate; none: run unmasked (default: the skill's input_mask_task, "
+                        "else the file's default_task, else its Fallback-priority mask, else its first)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every hash of the file before running it (spec §1.2); a mismatch refuses to run")
     p.add_argument("--int8-act", action="store_true", default=None,
                    help="4-bit and q1t files: int8 activations in decode and prefill (one int8 piece "
                         "per value instead of exact mode's three: with VNNI decode ~1.1×, prefill ~1.6×; "
@@ -124,7 +128,7 @@ def load_model(args: argparse.Namespace):
         blend = parse_blend(blend)
     model = load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
                  ctx_size=args.ctx_size, batch_size=args.batch_size, blend=blend,
-                 int8_activations=getattr(args, "int8_act", None))
+                 int8_activations=getattr(args, "int8_act", None), verify=getattr(args, "verify", False))
     path = os.environ.get("CMF_MOE_STATS")
     if path and model.moe_layers:
         import atexit

@@ -193,7 +193,7 @@ def _fit(base_path: Path, prompts: list[str], phi_layer: int | None, rank: int, 
     from ..runtime.model import load
     from ..runtime.routing import default_phi_layer, fit_selection
 
-    with load(base_path) as model:
+    with load(base_path, task="none") as model:  # φ of the plain backbone, as skill.rs fit_selection
         n = len(model.plan.layers)
         layer = default_phi_layer(n) if phi_layer is None else int(phi_layer)
         if not 0 <= layer < n:
@@ -217,12 +217,16 @@ def measure_quality(path: Path, skill_id: str, text_file: str | os.PathLike, tok
     from .perplexity import encode_text, perplexity
 
     raw = Path(text_file).read_bytes()
-    with load(path) as model:
+    # As `cortiq skill add --quality` measures (skill.rs run_skill_add): the backbone unmasked, the
+    # skill with its own input_mask_task when it has one (that is how it runs), else unmasked.
+    with load(path, task="none") as model:
         ids = encode_text(model.tokenizer, raw.decode("utf-8"))
         w = max(2, min(window, model.ctx_size, len(ids)))
         chunks = max(1, min(tokens, len(ids)) // w)
         bb = perplexity(model, ids, w, chunks)
-        model.select(skill=skill_id)
+        rec = next((s for s in model.file.skills if s.id == skill_id), None)
+        linked = rec.input_mask_task if rec is not None and rec.input_mask_task in model.tasks else None
+        model.select(skill=skill_id, task=linked or "none")
         ov = perplexity(model, ids, w, chunks)
         masked = model.task is not None
     return {"metric": "ppl", "backbone": round(bb["ppl"], 3), "overlaid": round(ov["ppl"], 3),

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     announce_compiles()
     # load() opens (and so validates) the file; a skill file or a damaged file stops here.
     model = load(path, task=args.task, skill=args.skill, threads=args.threads, ctx_size=args.ctx_size,
-                 batch_size=args.batch_size, int8_activations=getattr(args, "int8_act", None))
+                 batch_size=args.batch_size, int8_activations=getattr(args, "int8_act", None),
+                 verify=getattr(args, "verify", False))
     engine = None
     try:
         model_id = args.alias or Path(path).name.removesuffix(".cmf")
