@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import cmf  # noqa: E402
 import hf_fixtures as H  # noqa: E402
+from _mla_reference import reference_rows  # noqa: E402
 
 KINDS = list(H.SPECS)
 GEMMA_STYLE = {"gemma", "gemma2", "gemma3_text", "qwen3_next", "qwen3_5", "qwen3_5_moe"}
@@ -44,6 +45,9 @@ def expected(kind: str, folder, model=None) -> dict[str, np.ndarray]:
         if kind in ("deepseek_v3", "glm4_moe"):
             n = n.replace("mlp.shared_experts.", "mlp.shared_expert.").replace("mlp.gate.e_score_correction_bias",
                                                                               "mlp.expert_bias")
+        if kind == "deepseek_v3":  # MLA rows in the reference layout (tests/_mla_reference.py)
+            t = reference_rows(n, t, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                               bool(cfg.rope_interleave))
         if kind.startswith("phi3") and n.endswith("qkv_proj.weight"):
             q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
             kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
@@ -114,7 +118,7 @@ def check_header(kind: str, arch: dict, folder, rot) -> None:
         assert arch["head_dim"] == c.qk_nope_head_dim + c.qk_rope_head_dim
         assert arch["mla"] == {"q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
                                "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.qk_nope_head_dim,
-                               "v_head_dim": c.v_head_dim, "rope_interleave": c.rope_interleave}
+                               "v_head_dim": c.v_head_dim}  # no rope_interleave: the interchange layout
     else:
         assert arch["head_dim"] == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert arch["vocab_size"] == c.vocab_size

@@ -217,9 +217,10 @@ def _build_arch(mc: ModelConfig) -> None:
     if mla:
         a["mla"] = {"q_lora_rank": None if c.get("q_lora_rank") is None else int(c["q_lora_rank"]),
                     "kv_lora_rank": int(c["kv_lora_rank"]), "qk_rope_head_dim": int(c["qk_rope_head_dim"]),
-                    "qk_nope_head_dim": int(c["qk_nope_head_dim"]), "v_head_dim": int(c["v_head_dim"]),
-                    # HF rotates the rope dims of q/k interleaved (pairs 2i, 2i+1), not half-split.
-                    "rope_interleave": bool(c.get("rope_interleave", True))}
+                    "qk_nope_head_dim": int(c["qk_nope_head_dim"]), "v_head_dim": int(c["v_head_dim"])}
+        # No rope_interleave key: the rows are stored in the interchange layout (rope-first heads,
+        # rope dims in half-split order; convert/mla_layout.py), which is how the key's absence
+        # reads, here and in the reference.
     moe = _moe(c, mt)
     if moe is not None:
         a["moe"] = moe

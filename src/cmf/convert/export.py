@@ -34,6 +34,7 @@ from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
 from .config import TEXT_TYPES, WRAPPERS, load_config, text_config
 from .errors import ConvertError
+from .mla_layout import MlaLayout, export_layout, hf_rows
 from .names import Fuse, fuse_groups, rename_table
 from .tokenizer import token_content
 
@@ -245,9 +246,10 @@ def tensor_plan(f: CmfFile, mt: str) -> list[_Out]:
     return outs
 
 
-def _values(f: CmfFile, o: _Out) -> np.ndarray:
+def _values(f: CmfFile, o: _Out, mla: MlaLayout | None = None) -> np.ndarray:
     if o.fuse is None:
-        return f.array(o.parts[0])
+        # MLA projections go back to the Hugging Face row order (mla_layout.py)
+        return hf_rows(mla, o.parts[0], f.array(o.parts[0]))
     out = np.empty(o.shape, np.float32)
     for part, rows in zip(o.fuse.parts, o.fuse.rows):
         src = f.array(part)
@@ -345,6 +347,10 @@ def export(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
         if dtype not in EXPORT_DTYPES:
             raise ConvertError(f"--dtype {dtype!r}: choose f32, f16 or bf16")
         cfg["dtype" if "torch_dtype" not in cfg else "torch_dtype"] = EXPORT_DTYPES[dtype][2]
+        if isinstance(arch.get("mla"), dict) and arch["mla"].get("nope"):
+            raise ConvertError("arch.mla.nope: a NoPE latent-attention model has no Hugging Face export here "
+                               "(transformers' DeepseekV3 always rotates the rope dims)")
+        mla = export_layout(arch, cfg)
         outs = tensor_plan(f, mt)
         out.mkdir(parents=True, exist_ok=True)
         itemsize = EXPORT_DTYPES[dtype][1]
@@ -362,7 +368,7 @@ def export(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
                  for i in range(count)]
 
         def produce(o: _Out) -> memoryview:
-            mv = _encode(_values(f, o), dtype)
+            mv = _encode(_values(f, o, mla), dtype)
             if progress is not None:
                 progress(len(mv))
             return mv

@@ -30,6 +30,8 @@ from ..format.header import parse_header, serialize_header
 from ..format.writer import CmfWriter
 from .config import ModelConfig, load_config
 from .errors import ConvertError
+from .mla_layout import converter_layout
+from .mla_layout import cut as mla_cut
 from .names import TOP_LEVEL, Cut, rename_table, sort_key, split_rules, unwrap
 from .policy import Choice, Policy, is_expert
 from .source import Checkpoint, resolve
@@ -171,6 +173,7 @@ def _map_names(mc: ModelConfig, ckpt: Checkpoint) -> tuple[list[PlanItem], list[
     mtp = _mtp_kind(mc, [u for _, u in unwrapped])
     table = rename_table(mc.family, mc.arch["num_layers"], mtp)
     rules = split_rules(mc.family, mc.dims)
+    layout = converter_layout(mc.arch, mc.text)
     items: list[PlanItem] = []
     for src, u in unwrapped:
         name = table.forward(u)
@@ -192,7 +195,8 @@ def _map_names(mc: ModelConfig, ckpt: Checkpoint) -> tuple[list[PlanItem], list[
                     items.append(PlanItem(part_name, src, cut, shape, t.dtype, nbytes))
                 break
         else:
-            items.append(PlanItem(name, src, None, t.shape, t.dtype, t.nbytes))
+            # MLA projections are read in the interchange row order (a permutation, same shape)
+            items.append(PlanItem(name, src, mla_cut(layout, name, t.shape), t.shape, t.dtype, t.nbytes))
     return items, sorted(dropped), mtp
 
 

@@ -144,7 +144,10 @@ class LatentAttention:
                 qa += self.q_a_bias
             q = self.q_b(rms_norm_prepared(qa, self.q_a_norm, self.eps))
         q = q.reshape(t, a.heads, a.nope_dim + a.rope_dim)
-        q_nope, q_rot = q[..., :a.nope_dim], np.array(q[..., a.nope_dim:], dtype=np.float32)
+        if a.rope_first:  # interchange layout: [rope | nope] per head (plan_mixers._layout)
+            q_rot, q_nope = np.array(q[..., :a.rope_dim], dtype=np.float32), q[..., a.rope_dim:]
+        else:
+            q_nope, q_rot = q[..., :a.nope_dim], np.array(q[..., a.nope_dim:], dtype=np.float32)
         ckv = self.kv_a(h)
         if self.kv_a_bias is not None:
             ckv += self.kv_a_bias
@@ -152,9 +155,10 @@ class LatentAttention:
         k_rot = np.array(ckv[:, None, a.kv_rank:], dtype=np.float32)
         if a.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
-        cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
-        q_rot = apply_rope(q_rot, cos, sin)
-        k_rot = apply_rope(k_rot, cos, sin)
+        if a.rotate:
+            cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
+            q_rot = apply_rope(q_rot, cos, sin)
+            k_rot = apply_rope(k_rot, cos, sin)
         latents, k_rots, k0 = kv.append(latent[:, None, :], k_rot)
         wk, wv = self._kv_b()
         out = latent_attend(q_nope, q_rot, latents[:, 0], k_rots[:, 0], wk, wv, pos0, k0, a.scale)
@@ -348,6 +352,7 @@ class Block:
         self.ffn = MoeFfn(lp.ffn, w) if isinstance(lp.ffn, MoePlan) else DenseFfn(lp.ffn, w)
         self.n_in, self.n_post_attn = norm(lp.input_norm), norm(lp.post_attn_norm)
         self.n_pre_ffn, self.n_post_ffn = norm(lp.pre_ffn_norm), norm(lp.post_ffn_norm)
+        self.n_exit = norm(lp.exit_norm)  # looped stacks: the final norm at a pass end (loops.py)
         self.alive = True  # a task mask's layer gate: False skips the layer (the residual passes)
         self._step = None  # runtime/step.py BlockStep, built on the first decoded token
 
@@ -360,15 +365,22 @@ class Block:
     def step(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:
         """One token: x [1, hidden] advanced in place through the fused decode path (step.py),
         its products on ``nt`` threads."""
-        if not self.alive:
-            return x
-        if self._step is None:
-            from .step import BlockStep
+        if self.alive:
+            if self._step is None:
+                from .step import BlockStep
 
-            self._step = BlockStep(self, x.shape[1])
-        return self._step(x, state, pos, nt)
+                self._step = BlockStep(self, x.shape[1])
+            self._step(x, state, pos, nt)
+        if self.n_exit is not None:  # in place, like the step (the caller keeps its x)
+            x[...] = rms_norm_rows(x, self.n_exit, self.eps)
+        return x
 
     def __call__(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
+        if self.n_exit is not None:  # a pass end: the norm applies whether or not the layer is gated
+            return rms_norm_rows(self._layer(x, state, pos0), self.n_exit, self.eps)
+        return self._layer(x, state, pos0)
+
+    def _layer(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
         if not self.alive:
             return x
         a = self.mixer(self._n(x, self.n_in), state, pos0)

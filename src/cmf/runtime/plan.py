@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import PlanError
+from .loops import visit_plans
 from .ops.rope import RopeProfile, build_rope
 from .plan_mixers import GdnPlan, MlaPlan, gdn_plan, mla_plan
 from .plan_moe import FfnPlan, MoePlan, ffn_plan
@@ -52,6 +53,7 @@ class LayerPlan:
     post_attn_norm: str | None
     pre_ffn_norm: str | None = None  # present → sandwich norms (gemma2/3)
     post_ffn_norm: str | None = None
+    exit_norm: str | None = None  # looped stacks: the final norm applied after this visit (loops.py)
 
     @property
     def sandwich(self) -> bool:
@@ -111,9 +113,11 @@ def build_plan(arch, shape_of: Callable[[str], tuple[int, ...] | None]) -> Model
     # layer_kinds: the written tags, or the sliding_window_pattern schedule when no layer is tagged
     # SlidingAttention (files that carry only the pattern would otherwise run every layer global).
     layers = [_layer(ctx, i, f"model.layers.{i}.", kind, f"layer {i}") for i, kind in enumerate(arch.layer_kinds)]
+    final_norm = "model.norm.weight" if has("model.norm.weight") else None
+    layers = visit_plans(arch, layers, final_norm)  # looped stacks: one plan per visit (loops.py)
     return ModelPlan(
         hidden=hidden, vocab=vocab, eps=float(arch.rms_norm_eps), gemma_norm=arch.norm_style == "gemma",
-        embed=embed, lm_head=lm_head, final_norm="model.norm.weight" if has("model.norm.weight") else None,
+        embed=embed, lm_head=lm_head, final_norm=final_norm,
         embed_multiplier=float(arch.embed_multiplier), final_softcap=_opt(raw, "final_logit_softcapping"),
         logit_multiplier=float(_opt(raw, "logit_multiplier", 1.0)),
         max_positions=int(arch.max_position_embeddings), layers=layers, mtp=_mtp(ctx, embed, lm_head))

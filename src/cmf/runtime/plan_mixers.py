@@ -57,7 +57,9 @@ class MlaPlan:
     kv_rank: int
     scale: float
     rope: RopeProfile
-    interleave: bool  # rope pairs (2i, 2i+1) instead of (i, i + d/2)
+    interleave: bool  # legacy layout only: rope pairs (2i, 2i+1) instead of (i, i + d/2)
+    rope_first: bool = True  # query heads stored [rope | nope] (interchange layout) or [nope | rope] (legacy)
+    rotate: bool = True  # False: NoPE (arch.mla.nope), the rope dims are never rotated
     q: str | None = None  # without a query LoRA
     q_a: str | None = None
     q_a_norm: str | None = None
@@ -107,6 +109,20 @@ def _yarn_mscale(scale: float, m: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+def _layout(mla: dict) -> dict:
+    """How an ``arch.mla`` block's rows are laid out (docs/INTERCHANGE.md, "MLA").
+
+    Without ``rope_interleave`` (the reference converter and current pycmf): query heads
+    rope-first, rope dims already in half-split order in q and in kv_a's rope tail, as the
+    reference runtime reads them. With it (files of earlier pycmf releases): the Hugging Face row
+    order, ``[nope | rope]`` heads, interleaved pairs when the key is true. ``nope`` true: the
+    rope dims are used unrotated (Kimi Linear's full-attention layers)."""
+    rotate = not bool(mla.get("nope", False))
+    if "rope_interleave" in mla:
+        return dict(interleave=bool(mla["rope_interleave"]) and rotate, rope_first=False, rotate=rotate)
+    return dict(interleave=False, rope_first=True, rotate=rotate)
+
+
 def mla_plan(p: str, arch, shape_of: ShapeOf, heads: int, where: str) -> MlaPlan:
     """The MLA attention of the layer whose names start with ``p`` (``self_attn.kv_a_proj_with_mqa``)."""
     mla = arch.mla
@@ -141,7 +157,10 @@ def mla_plan(p: str, arch, shape_of: ShapeOf, heads: int, where: str) -> MlaPlan
     # HF's DeepSeek rope: YaRN over the rope dims, its mscale² folded into the softmax scale.
     yarn = arch.yarn
     scaling = dict(yarn.raw, rope_type="yarn") if yarn is not None else None
-    rope = build_rope(arch.rope_theta, rope_dim, 1.0, scaling, None)
+    # NoPE never rotates: its rope profile is a placeholder (Kimi's rope_theta may be 0)
+    unrotated = bool(mla.get("nope", False))
+    rope = build_rope(10000.0 if unrotated else arch.rope_theta, rope_dim, 1.0, None if unrotated else scaling,
+                      None)
     scale = qk ** -0.5
     if yarn is not None and yarn.mscale_all_dim:
         m = _yarn_mscale(yarn.factor, yarn.mscale_all_dim)
@@ -151,6 +170,6 @@ def mla_plan(p: str, arch, shape_of: ShapeOf, heads: int, where: str) -> MlaPlan
         kv_a_norm=check("kv_a_layernorm.weight", (rank,)),
         kv_b=check("kv_b_proj.weight", (heads * (nope + v_dim), rank)),
         o=check("o_proj.weight", (h, heads * v_dim)), heads=heads, nope_dim=nope, rope_dim=rope_dim, v_dim=v_dim,
-        kv_rank=rank, scale=scale, rope=rope, interleave=bool(mla.get("rope_interleave", True)),
+        kv_rank=rank, scale=scale, rope=rope, **_layout(mla),
         kv_a_bias=s + "kv_a_proj_with_mqa.bias" if has("kv_a_proj_with_mqa.bias") else None,
         o_bias=s + "o_proj.bias" if has("o_proj.bias") else None, **kw)
