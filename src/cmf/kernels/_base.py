@@ -48,6 +48,10 @@ class FusedLinear:
     """y = x @ W.T straight from a stored payload (see the module docstring)."""
 
     fused_max_t = 8  # batches up to this size use the fused kernel (overridden per family)
+    # Whether the fused kernel computes each (row, vector) product with the same instructions
+    # whatever the batch size, so that a row's result never depends on the other rows of the
+    # batch and equals the one-token MatvecGroup's (the server's decode batch relies on it).
+    rows_exact = False
 
     def __init__(self, tensor) -> None:  # noqa: ANN001 - a cmf QTensor
         if len(tensor.shape) != 2:
@@ -96,6 +100,19 @@ class FusedLinear:
         else:
             Y = self._batched(X, None)
         return Y[0] if vec else Y
+
+    def fused(self, x: np.ndarray) -> np.ndarray:
+        """x [T, in] → [T, out] through the fused kernel whatever T (the weights are read once for
+        all rows): a decode batch of T sequences. With ``rows_exact`` each row is bit-identical to
+        the product of that row alone."""
+        X, _ = as_batch(x, self.in_features)
+        Y = np.empty((X.shape[0], self.out_features), np.float32)
+        if Y.size:
+            if self.in_features:
+                self._matmul(X, Y, parallel_for(self.work * X.shape[0]))
+            else:
+                Y[...] = 0
+        return Y
 
     def rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Only output rows ``rows``: x @ W[rows].T (other rows' bytes are not read)."""

@@ -13,8 +13,8 @@ import numpy as np
 from numba import prange
 
 from ..format.constants import Dtype
-from ._base import FusedLinear
-from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, threads
+from ._base import FusedLinear, as_batch
+from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threads
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -144,6 +144,7 @@ class F32Linear(FusedLinear):
     """f32: BLAS on the zero-copy view of the mapped bytes."""
 
     fused_max_t = 1 << 62  # BLAS handles every batch size itself
+    rows_exact = True  # fused() runs f32_rows: one row's dot products whatever the batch
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -151,6 +152,17 @@ class F32Linear(FusedLinear):
 
     def _matmul(self, X, Y, par):
         np.dot(X, self.w.T, out=Y)
+
+    def fused(self, x: np.ndarray) -> np.ndarray:
+        """The row kernel for any batch (``_matmul`` is BLAS, whose rows depend on the batch shape)."""
+        X, _ = as_batch(x, self.in_features)
+        Y = np.empty((X.shape[0], self.out_features), np.float32)
+        rows = np.arange(self.out_features, dtype=np.int64)
+        if Y.size and parallel_for(self.work * X.shape[0]):
+            f32_rows_par(self.w, X, Y, rows, threads())
+        elif Y.size:
+            f32_rows(self.w, X, Y, rows, 0, rows.size)
+        return Y
 
     def _matmul_rows(self, rows, X, Y, par):
         if X.shape[0] > 4:  # a prefill: copying the rows once is cheaper than T gathered passes
@@ -171,6 +183,7 @@ class HalfLinear(FusedLinear):
     """f16 / bf16: converted in registers, never widened in memory."""
 
     fused_max_t = 8  # measured crossover with dequantize + sgemm: T ~ 8-10 (benchmarks/quant.py)
+    rows_exact = True  # half_rows: one row's dot products, the same for every batch size
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)

@@ -114,6 +114,7 @@ class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
 
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
+    rows_exact = True  # q8_rows: one row's dot products, the same for every batch size
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)

@@ -1,192 +1,140 @@
-"""The engine: one worker thread owns the model and runs queued generation jobs one at a time.
+"""The engine: one worker thread owns the model and steps every running request together.
 
-Why one worker: the model's forward pass, its KV cache and its task/skill selection are state of
-one object, and the numba kernels already use every core for one sequence. Requests therefore
-queue (a bounded FIFO, ``max_queue`` waiting jobs); a full queue is refused at once
-(:class:`QueueFull`) instead of piling up latency. The HTTP side never blocks the worker: events
-go to a per-job ``sink`` callback that only hands them over (to an asyncio queue), so a slow
-client cannot stall the others, and a client that leaves calls :meth:`Job.cancel`, which stops
-its generation at the next token (or skips it if it has not started).
+Continuous batching. Each iteration of the worker's loop (1) admits waiting jobs — up to
+``parallel`` sequences, while their KV fits ``kv_budget`` bytes — (2) drops sequences whose
+client left, (3) runs one decode step for every sequence past its prompt (one pass over the
+weights for all of them, :mod:`cmf.runtime.batched`), and (4) feeds prompts chunk by chunk, up to
+``prefill_chunk`` tokens per iteration, so that a long prompt delays the running streams by one
+chunk at a time. Requests join and leave between steps. Each sequence has its own cache,
+position, sampler, processors, stop rules (:mod:`.sequence`); a finished one leaves its cache to
+the prefix cache (:mod:`.prefix_cache`) for the prompts that follow.
+
+Why one worker: the model's forward pass and its task/skill selection are state of one object,
+and the kernels already use every core. A batch runs one selection; a request under another
+waits until the running ones finish (FIFO: it also holds back the requests behind it).
+
+The HTTP side never blocks the worker: events go to a per-job ``sink`` that only hands them over,
+so a slow client cannot stall the others, and :meth:`Job.cancel` (a client that left) frees the
+sequence before the next step. Past ``max_queue`` waiting requests :meth:`submit` raises
+:class:`QueueFull` with a ``retry_after`` estimate.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 
+import numba
 import numpy as np
 
-from ..runtime.generate import stream_generate
-from .schemas import Sampling, TokenLogprob
+from ..runtime.batched import bytes_per_token, cache_nbytes, decoder, reserve
+from ..runtime.generate import generate_step
+from ..runtime.speculative import SpecStats
+from . import selection
+from .defaults import DEFAULT_KV_BUDGET_MB, DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+from .jobs import Delta, EngineClosed, Event, Failed, Finished, Job, QueueFull
+from .prefix_cache import PrefixCache
+from .sequence import Sequence
+from .tokens import TokenText
+
+__all__ = ["Engine", "Job", "Delta", "Finished", "Failed", "QueueFull", "EngineClosed"]
 
 log = logging.getLogger(__name__)
 
-
-def _byte_level_table() -> dict[str, int]:
-    """The inverse of the byte → printable-character map of byte-level BPE vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, NBSP,
-    soft hyphen) are shifted, in byte order, to U+0100 onwards.
-    """
-    keep = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    inv: dict[str, int] = {}
-    shift = 0
-    for b in range(256):
-        if b in keep:
-            inv[chr(b)] = b
-        else:
-            inv[chr(0x100 + shift)] = b
-            shift += 1
-    return inv
-
-
-_BYTE_LEVEL_INV = _byte_level_table()
-
-
-def _vocab_kind(tok: Any) -> tuple[bool, set[int]]:
-    """(whether the tokenizer's decoder is byte-level, the ids of its added tokens)."""
-    if tok.backend is None:
-        return False, set()
-    try:
-        spec = json.loads(tok.backend.to_str())
-    except (ValueError, AttributeError):
-        return False, set()
-    dec = spec.get("decoder") or {}
-    kinds = [d.get("type") for d in dec.get("decoders", [])] if dec.get("type") == "Sequence" else [dec.get("type")]
-    added = {int(a["id"]) for a in spec.get("added_tokens") or () if isinstance(a, dict) and "id" in a}
-    return "ByteLevel" in kinds, added
-
-
-class QueueFull(Exception):
-    """The request queue holds ``max_queue`` waiting jobs already."""
-
-
-class EngineClosed(Exception):
-    """The engine has been shut down."""
-
-
-class _Cancelled(Exception):
-    """Raised inside the generation loop when the job's client has gone."""
-
-
-@dataclass
-class Delta:
-    """New text of a running job, with the logprobs of the tokens that produced it (if asked)."""
-
-    text: str
-    logprobs: list[TokenLogprob]
-
-
-@dataclass
-class Finished:
-    """The job ended: ``finish_reason`` is "stop", "length" or "cancelled"."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    time_to_first_token: float = 0.0
-    prompt_tps: float = 0.0
-    generation_tps: float = 0.0
-    task: str | None = None
-    skill: str | None = None
-    spec_drafted: int = 0  # MTP drafts proposed / accepted (speculative decoding)
-    spec_accepted: int = 0
-    blend: dict[str, float] | None = None  # the blend that ran ("none" = the backbone)
-    route: dict[str, Any] | None = None  # the routing decision, under an "auto" skill or blend
-
-
-@dataclass
-class Failed:
-    """The job raised; the error is logged by the engine, the client gets a generic message."""
-
-    error: BaseException
-
-
-Event = Union[Delta, Finished, Failed]
-
-
-@dataclass
-class Job:
-    """One generation request: prompt ids, sampling, logprobs wish, task/skill, and where events go."""
-
-    prompt_ids: list[int]
-    sampling: Sampling
-    max_tokens: int
-    sink: Callable[[Event], None]
-    logprobs: bool = False
-    top_logprobs: int = 0
-    task: str | None = None
-    skill: str | None = None  # an id, None (the backbone) or "auto" (routed on route_prompt)
-    blend: dict[str, float] | str | None = None  # {id or "none": weight} or "auto"; replaces skill
-    route_prompt: Any = None  # what "auto" routes on: the chat messages, or the completion prompt
-    id: int = 0
-    state: str = "new"  # new → queued → running → done | cancelled | failed
-    generated: int = 0
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    def cancel(self) -> None:
-        """Stop this job (its client left); a no-op once it has finished."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
+RESERVE_AHEAD = 256  # KV positions reserved beyond the prompt at admission (fewer regrowth copies)
 
 
 class Engine:
-    """Runs :class:`Job` s on ``model`` in one worker thread; ``submit`` is safe from any thread."""
+    """Runs :class:`Job` s on ``model`` in one worker thread; ``submit`` is safe from any thread.
 
-    def __init__(self, model: Any, *, max_queue: int = 64, default_task: str | None = None,
+    ``parallel``: sequences decoded together; ``max_queue``: jobs allowed to wait for a slot;
+    ``kv_budget_mb``: bytes of KV cache for the running sequences and the prefix cache together;
+    ``prefix_cache_mb``: what the prefix cache may keep (0: off); ``prefill_chunk``: prompt tokens
+    fed between two decode steps; ``speculative``: greedy requests decode with the file's MTP
+    head when it has one (the same tokens, fewer forward passes; one sequence at a time).
+    """
+
+    def __init__(self, model: Any, *, max_queue: int = 64, parallel: int = DEFAULT_PARALLEL,
+                 kv_budget_mb: float = DEFAULT_KV_BUDGET_MB, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, default_task: str | None = None,
                  default_skill: str | None = None, speculative: bool = True) -> None:
-        """``speculative``: greedy requests decode with the file's MTP head when it has one
-        (the same tokens, fewer forward passes; see cmf.runtime.speculative)."""
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        if kv_budget_mb <= 0 or prefix_cache_mb < 0 or prefill_chunk < 1:
+            raise ValueError("kv_budget_mb must be > 0, prefix_cache_mb >= 0 and prefill_chunk >= 1")
         self.model = model
         self.max_queue = max_queue
+        self.parallel = parallel
+        self.kv_budget = int(kv_budget_mb * 2**20)
+        self.prefill_chunk = prefill_chunk
         self.default_task = default_task
         self.default_skill = default_skill
         self.speculative = speculative
         self.tokenizer = model.tokenizer  # loaded here, once: the property is not thread-safe
-        # A deque under one condition rather than queue.Queue: pause() must keep jobs *in* the
-        # queue (counted against max_queue), which a worker blocked in Queue.get() would not.
+        self.text = TokenText(self.tokenizer)
+        self.bytes_per_token = bytes_per_token(model)
+        self.prefix = PrefixCache(min(int(prefix_cache_mb * 2**20), self.kv_budget))
+        # numba's thread count is per thread: the worker takes the one the model was loaded with
+        self._threads = numba.get_num_threads()
+        # A deque under one condition rather than queue.Queue: pause() keeps jobs *in* the queue
+        # (counted against max_queue), which a worker blocked in Queue.get() would not.
         self._queue: collections.deque[Job] = collections.deque()
+        self._preempted: collections.deque[Sequence] = collections.deque()  # re-admitted first
+        self._running: list[Sequence] = []
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
-        self._running: Job | None = None
         self._paused = False
         self._closed = False
-        self._token_text: dict[int, tuple[str, list[int]]] = {}
-        self._byte_level, self._added = _vocab_kind(self.tokenizer)
+        self._active: tuple | None = None  # the selection key the model has now
+        self._batch = decoder(model)
+        self._step_rate = 0.0  # decode steps per second (moving average), for Retry-After
+        self._kv_used = 0
         self.stats: dict[str, int] = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
-                                      "prompt_tokens": 0, "completion_tokens": 0}
+                                      "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                                      "preempted": 0, "steps": 0}
         # Select the server defaults now, so a wrong --task/--skill fails at start, not on a request.
         model.select(task=default_task, skill=default_skill)
         self._worker = threading.Thread(target=self._loop, name="cmf-engine", daemon=True)
         self._worker.start()
 
     # -- public ----------------------------------------------------------------------------------
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Positions one sequence may hold: the context, or less when the KV budget is smaller."""
+        return min(self.model.ctx_size, self.kv_budget // self.bytes_per_token)
+
     def submit(self, job: Job) -> Job:
-        """Queue ``job``; raises QueueFull at once when ``max_queue`` jobs are waiting."""
+        """Queue ``job``; raises QueueFull at once when ``max_queue`` jobs wait beyond the free slots."""
         if self._closed:
             raise EngineClosed("the engine is shut down")
         with self._lock:
             job.id = next(self._ids)
-            if len(self._queue) >= self.max_queue:
+            free = 0 if self._paused else max(0, self.parallel - len(self._running) - len(self._preempted))
+            if len(self._queue) >= self.max_queue + free:
                 job.state = "rejected"
                 self.stats["rejected"] += 1
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+                raise QueueFull(f"{len(self._running)} requests are running and {len(self._queue)} waiting "
+                                f"(--parallel {self.parallel}, --max-queue {self.max_queue})", self.retry_after())
             job.state = "queued"
+            job.submitted_at = time.perf_counter()
             self._queue.append(job)
             self.stats["submitted"] += 1
             self._lock.notify_all()
         return job
+
+    def retry_after(self) -> int:
+        """Seconds until a running sequence is expected to finish (1 when unknown), at most 60."""
+        running = list(self._running)
+        if not running or self._step_rate <= 0:
+            return 1
+        soonest = min(s.remaining for s in running) / self._step_rate
+        return int(min(60, max(1, np.ceil(soonest))))
 
     @property
     def waiting(self) -> int:
@@ -200,20 +148,22 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Whether a job is running now."""
-        return self._running is not None
+        """Whether a sequence is running now."""
+        return bool(self._running)
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters and queue state, for /health and logs."""
+        """Counters, queue and memory state, for /health and logs."""
         with self._lock:
-            return dict(self.stats, waiting=self.waiting, busy=self.busy, max_queue=self.max_queue,
-                        paused=self._paused)
+            return dict(self.stats, waiting=self.waiting, busy=self.busy, running=len(self._running),
+                        max_queue=self.max_queue, parallel=self.parallel, paused=self._paused,
+                        kv_used_mb=round(self._kv_used / 2**20, 1), kv_budget_mb=round(self.kv_budget / 2**20, 1),
+                        prefix_cache=self.prefix.stats())
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until no job runs and none waits (True), or ``timeout`` seconds pass (False)."""
         end = time.monotonic() + timeout
         with self._lock:
-            while self._running is not None or self.waiting:
+            while self._running or self._queue or self._preempted:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -221,12 +171,12 @@ class Engine:
         return True
 
     def pause(self) -> None:
-        """Start no new job (the running one finishes); requests still queue up to ``max_queue``."""
+        """Admit no new job (the running ones go on); requests still queue up to ``max_queue``."""
         with self._lock:
             self._paused = True
 
     def resume(self) -> None:
-        """Start queued jobs again."""
+        """Admit queued jobs again."""
         with self._lock:
             self._paused = False
             self._lock.notify_all()
@@ -237,8 +187,8 @@ class Engine:
             self._closed = True
             left = list(self._queue)
             self._queue.clear()
-            if self._running is not None:
-                self._running.cancel()
+            for s in self._running:
+                s.job.cancel()
             self._lock.notify_all()
         for job in left:
             job.cancel()
@@ -248,39 +198,25 @@ class Engine:
 
     # -- worker ----------------------------------------------------------------------------------
     def _loop(self) -> None:
+        numba.set_num_threads(self._threads)
         while True:
             with self._lock:
-                while not self._closed and (self._paused or not self._queue):
+                while not self._closed and not self._running and (self._paused or not (self._queue or self._preempted)):
                     self._lock.wait()
                 if self._closed:
-                    return
-                job = self._queue.popleft()
-                if job.cancelled:  # its client left while it waited
-                    job.state = "cancelled"
-                    self.stats["cancelled"] += 1
-                    self._lock.notify_all()
-                    continue
-                self._running = job
-            job.state = "running"
+                    break
             try:
-                self._run(job)
-            except _Cancelled:
-                job.state = "cancelled"
-                with self._lock:
-                    self.stats["cancelled"] += 1
-                log.info("job %d cancelled after %d tokens", job.id, job.generated)
-                self._emit(job, Finished("cancelled", len(job.prompt_ids), job.generated))
-            except Exception as exc:  # noqa: BLE001 - the worker must survive any one job
-                job.state = "failed"
-                with self._lock:
-                    self.stats["failed"] += 1
-                log.exception("job %d failed", job.id)
-                self._emit(job, Failed(exc))
-            finally:
-                with self._lock:
-                    self.stats["completion_tokens"] += job.generated
-                    self._running = None
-                    self._lock.notify_all()
+                self._admit()
+                self._sweep()
+                if self._running:
+                    self._iterate()
+            except Exception as exc:  # noqa: BLE001 - the worker must survive any one step
+                log.exception("engine step failed; failing its %d sequences", len(self._running))
+                for s in list(self._running):
+                    self._fail(s, exc)
+        for s in list(self._running) + list(self._preempted):
+            self._end(s, "cancelled")
+        self._preempted.clear()
 
     def _emit(self, job: Job, event: Event) -> None:
         try:
@@ -289,91 +225,259 @@ class Engine:
             log.debug("job %d: event dropped", job.id, exc_info=True)
             job.cancel()
 
-    def _token(self, tid: int) -> tuple[str, list[int]]:
-        """A token's text and bytes, cached (logprobs name every token they report)."""
-        hit = self._token_text.get(tid)
-        if hit is None:
-            raw = self._bytes_of(tid)
-            hit = (raw.decode("utf-8", errors="replace"), list(raw))
-            if len(self._token_text) < 1 << 18:
-                self._token_text[tid] = hit
-        return hit
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while len(self._running) < self.parallel:
+            with self._lock:
+                if self._paused or self._closed:
+                    return
+                while self._queue and self._queue[0].cancelled:  # its client left while it waited
+                    job = self._queue.popleft()
+                    job.state = "cancelled"
+                    self.stats["cancelled"] += 1
+                    self._lock.notify_all()
+                if self._preempted:
+                    seq, job = self._preempted[0], None
+                elif self._queue:
+                    seq, job = None, self._queue[0]
+                else:
+                    return
+            if seq is None:
+                seq = self._prepare(job)
+                if seq is None:
+                    return
+            if self._running and seq.key != self._active:
+                return  # another selection runs: this one (and those behind it) wait for the batch to drain
+            if not self._make_room(self._need(seq)):
+                return
+            with self._lock:
+                if job is not None:
+                    if not self._queue or self._queue[0] is not job:
+                        continue  # close() emptied the queue meanwhile
+                    self._queue.popleft()
+                else:
+                    self._preempted.popleft()
+            self._start(seq)
 
-    def _bytes_of(self, tid: int) -> bytes:
-        # A token may hold part of a UTF-8 character, which decode() turns into U+FFFD; logprobs
-        # promise the real bytes, so read them off the vocabulary where its encoding is known.
-        tok = self.tokenizer
-        if tok.backend is None:
-            return bytes([tid]) if tid < 256 else b""
-        piece = tok.id_to_token(tid)
-        if piece is not None:
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
-                try:
-                    return bytes([int(piece[3:5], 16)])
-                except ValueError:
-                    pass
-            if self._byte_level and tid not in self._added:
-                try:
-                    return bytes(_BYTE_LEVEL_INV[c] for c in piece)
-                except KeyError:
-                    pass
-        return tok.decode([tid], skip_special_tokens=False).encode("utf-8")
+    def _prepare(self, job: Job) -> Sequence | None:
+        """The Sequence of the queue's head, its selection resolved (routing an ``auto`` request
+        under its task mask); None while it must wait for the running batch to drain."""
+        cached = getattr(job, "_resolved", None)
+        if cached is None:
+            if selection.needs_routing(job):
+                task = selection.task_of(self.model, job)
+                if self._running and self._active is not None and self._active[0] != task:
+                    return None
+                if not self._running:
+                    selection.select_task(self.model, task)
+                    self._active = None  # the task changed under the selection that ran
+            try:
+                cached = selection.resolve(self.model, job)
+            except Exception as exc:  # noqa: BLE001 - a routing failure fails this request only
+                with self._lock:
+                    if self._queue and self._queue[0] is job:
+                        self._queue.popleft()
+                log.exception("job %d: routing failed", job.id)
+                job.state = "failed"
+                self.stats["failed"] += 1
+                self._emit(job, Failed(exc))
+                return None
+            job._resolved = cached  # type: ignore[attr-defined]
+        seq = getattr(job, "_seq", None)  # made once, however many iterations it waits
+        if seq is None:
+            key, route = cached
+            seq = Sequence(job, key, self.tokenizer, self.text)
+            if route is not None:
+                seq.info["route"] = route.to_dict()
+            job._seq = seq  # type: ignore[attr-defined]
+        return seq
 
-    def _logprob(self, job: Job, token: int, logits: np.ndarray) -> TokenLogprob:
-        # Log-probabilities of the distribution the token was drawn from, before temperature
-        # (after logit bias and penalties), as OpenAI reports them.
-        x = logits.astype(np.float64, copy=False)
-        m = float(x.max())
-        lse = m + float(np.log(np.exp(x - m).sum()))
-        text, raw = self._token(token)
-        top: list[tuple[str, float, list[int]]] = []
-        if job.top_logprobs:
-            k = min(job.top_logprobs, x.size)
-            idx = np.argpartition(-x, k - 1)[:k]
-            idx = idx[np.lexsort((idx, -x[idx]))]  # highest first, lower id on ties
-            for i in idx:
-                t, b = self._token(int(i))
-                top.append((t, float(x[i]) - lse, b))
-        return TokenLogprob(text, float(x[token]) - lse, raw, top)
+    def _need(self, seq: Sequence) -> int:
+        return self.bytes_per_token * (seq.target + min(seq.remaining, RESERVE_AHEAD))
 
-    def _run(self, job: Job) -> None:
-        model = self.model
-        if job.blend is not None:
-            route = model.select(task=job.task, skill=None, blend=job.blend, route_prompt=job.route_prompt)
+    def _kv_in_use(self) -> int:
+        return sum(cache_nbytes(s.cache) for s in self._running if s.cache is not None)
+
+    def _make_room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit the budget, evicting prefix-cache entries if that helps.
+        A sequence may always start when nothing runs (submit checked that it fits alone)."""
+        used = self._kv_in_use()
+        over = used + self.prefix.nbytes + need - self.kv_budget
+        if over > 0:
+            self.prefix.evict(over)
+        return not self._running or used + self.prefix.nbytes + need <= self.kv_budget
+
+    def _start(self, seq: Sequence) -> None:
+        job, model = seq.job, self.model
+        if seq.key != self._active:
+            log.debug("selection %s", selection.describe(seq.key))
+            selection.select(model, seq.key)
+            self._active = seq.key
+        seq.info.update(selection.current(model))
+        job.state = "running"
+        seq.start(time.perf_counter())
+        ahead = min(seq.remaining, RESERVE_AHEAD)
+        greedy = job.sampling.temperature < 1e-6
+        if (self.speculative and greedy and model.has_mtp and not job.logits_processors and job.token_mask is None
+                and seq.pending is None):
+            # MTP drafts verify several tokens per forward: this sequence runs its own generator
+            seq.spec_stats = SpecStats()
+            seq.cache = model.new_cache()
+            seq.driver = generate_step(model, job.prompt_ids, sampler=seq.sampler, processors=seq.processors,
+                                       max_tokens=job.max_tokens, cache=seq.cache, spec="auto",
+                                       spec_stats=seq.spec_stats)
         else:
-            route = model.select(task=job.task, skill=job.skill, route_prompt=job.route_prompt)
-        eos = self.tokenizer.eos_ids
-        pending: list[TokenLogprob] = []
+            # a new prompt keeps its last token to compute (its logits give the first token)
+            limit = seq.target - 1 if seq.pending is None else seq.target
+            cache, n = self.prefix.take(seq.key, seq.tokens, limit, reserve=seq.target + ahead)
+            if cache is None:
+                cache = model.new_cache()
+            if seq.preempted == 0:
+                seq.cached_tokens = n
+            reserve(cache, seq.target - n + ahead)
+            seq.cache = cache
+        self._running.append(seq)
 
-        def on_token(token: int, logits: np.ndarray) -> None:
-            if job.cancelled:
-                raise _Cancelled()
-            job.generated += 1
-            if job.logprobs and (job.sampling.ignore_eos or token not in eos):
-                pending.append(self._logprob(job, token, logits))
-
-        # "auto" drafts only for greedy requests on a file with an MTP head, and stops drafting on
-        # prompts where drafts keep failing; a sampled request always decodes plainly.
-        spec = "auto" if self.speculative and job.sampling.temperature < 1e-6 else "off"
-        last = None
-        # stream_generate, not model.stream: an "auto" selection was routed above, on the user's
-        # text rather than on the templated ids model.stream would route on again.
-        for r in stream_generate(model, job.prompt_ids, max_tokens=job.max_tokens, on_token=on_token, spec=spec,
-                                 **job.sampling.kwargs()):
-            last = r
-            if r.text:
-                self._emit(job, Delta(r.text, pending[:]))
-                pending.clear()
-        assert last is not None and last.finish_reason is not None
-        job.state = "done"
+    # -- stepping --------------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """End the sequences whose client has gone (before the next step computes for them)."""
+        for s in [s for s in self._running if s.job.cancelled]:
+            log.info("job %d cancelled after %d tokens", s.job.id, s.generated)
+            self._end(s, "cancelled")
         with self._lock:
-            self.stats["completed"] += 1
-            self.stats["prompt_tokens"] += len(job.prompt_ids)
-        # Tokens still pending produced no content (the stop string they completed is cut): OpenAI
-        # reports logprobs for the content only, so they are dropped.
-        self._emit(job, Finished(last.finish_reason, len(job.prompt_ids), last.generation_tokens,
-                                 last.time_to_first_token, last.prompt_tps, last.generation_tps,
-                                 model.task, model.skill, getattr(last, "spec_drafted", 0),
-                                 getattr(last, "spec_accepted", 0),
-                                 {k or "none": w for k, w in model.blend.items()} if model.blend else None,
-                                 route.to_dict() if route is not None else None))
+            gone = [s for s in self._preempted if s.job.cancelled]
+            for s in gone:
+                self._preempted.remove(s)
+        for s in gone:
+            self._end(s, "cancelled")
+
+    def _iterate(self) -> None:
+        decoding = [s for s in self._running if s.driver is None and not s.prefilling]
+        if decoding:
+            t0 = time.perf_counter()
+            self._decode(decoding)
+            rate = 1.0 / max(time.perf_counter() - t0, 1e-6)
+            self._step_rate = rate if not self._step_rate else 0.8 * self._step_rate + 0.2 * rate
+            self.stats["steps"] += 1
+        for s in [s for s in self._running if s.driver is not None]:
+            self._spec_token(s)
+        budget = self.prefill_chunk
+        for s in [s for s in self._running if s.driver is None and s.prefilling]:
+            n = min(self.prefill_chunk, self.model.batch_size, s.target - s.cache.pos)
+            if budget < self.prefill_chunk and n > budget:
+                break  # its next chunk waits for the next iteration: chunks never depend on the batch
+            budget -= n
+            self._prefill(s, n)
+        self._kv_used = self._kv_in_use()
+        if self._kv_used > self.kv_budget:
+            self._preempt()
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        tokens = [s.pending for s in seqs]
+        if len(seqs) == 1:  # the fused one-token step: the same logits as the batch's row
+            logits = self.model.forward(tokens, seqs[0].cache)
+        else:
+            logits = self._batch.step(tokens, [s.cache for s in seqs])
+        for s, row in zip(seqs, logits):
+            self._take(s, row)
+
+    def _prefill(self, s: Sequence, n: int) -> None:
+        try:
+            pos = s.cache.pos
+            logits = self.model.forward(s.tokens[pos:pos + n], s.cache)
+        except Exception as exc:  # noqa: BLE001 - one prompt's failure ends that request only
+            log.exception("job %d: prefill failed", s.job.id)
+            self._fail(s, exc)
+            return
+        s.computed += n
+        if s.cache.pos < s.target:
+            return
+        s.t_prefill_end = time.perf_counter()
+        if s.pending is None:  # a new prompt: its first token (a resumed one decodes on with its own)
+            self._take(s, logits[-1])
+
+    def _take(self, s: Sequence, logits: np.ndarray) -> None:
+        """Choose and emit the next token of ``s`` from its last position's logits."""
+        try:
+            token, used = s.choose(logits)
+            ended = s.accept(token, used, lambda ev: self._emit(s.job, ev))
+        except Exception as exc:  # noqa: BLE001 - a request's own hook (processor, mask) failed
+            log.exception("job %d: choosing a token failed", s.job.id)
+            self._fail(s, exc)
+            return
+        if ended:
+            self._end(s, s.finish)
+
+    def _spec_token(self, s: Sequence) -> None:
+        try:
+            token, logits = next(s.driver)
+            ended = s.accept(token, logits, lambda ev: self._emit(s.job, ev))
+        except StopIteration:
+            ended = True
+            s.finish = s.finish or "length"
+        except Exception as exc:  # noqa: BLE001
+            log.exception("job %d: speculative decoding failed", s.job.id)
+            self._fail(s, exc)
+            return
+        if not s.t_prefill_end:
+            s.t_prefill_end = s.t_first
+            s.computed = s.prompt_len
+        if ended:
+            s.driver.close()
+            self._end(s, s.finish)
+
+    def _preempt(self) -> None:
+        """Over the KV budget: the prefix cache goes first, then the newest sequences (their caches
+        to the prefix cache, to be taken back when they resume), never the oldest one."""
+        over = self._kv_used - self.kv_budget
+        self.prefix.evict(over)
+        while self._kv_used > self.kv_budget and len(self._running) > 1:
+            s = self._running.pop()
+            size = cache_nbytes(s.cache) if s.cache is not None else 0
+            if s.driver is not None:  # a speculative generator cannot resume: it starts over
+                s.driver.close()
+                s.driver = None
+            elif s.cache is not None:
+                self.prefix.put(s.key, s.tokens, s.cache)
+            s.cache = None
+            s.preempted += 1
+            s.target = len(s.tokens) - 1 if s.pending is not None else s.prompt_len
+            self._kv_used -= size
+            self.stats["preempted"] += 1
+            log.info("job %d preempted at %d tokens (KV budget %d MB)", s.job.id, len(s.tokens), self.kv_budget >> 20)
+            with self._lock:
+                self._preempted.appendleft(s)
+
+    def _end(self, s: Sequence, reason: str | None) -> None:
+        """Remove a finished or cancelled sequence, report it, keep its cache for later prompts."""
+        if s in self._running:
+            self._running.remove(s)
+        reason = reason or "cancelled"
+        job = s.job
+        if s.driver is not None:
+            s.driver.close()
+        elif s.cache is not None:
+            self.prefix.put(s.key, s.tokens, s.cache)
+        s.cache = None
+        with self._lock:
+            job.state = "cancelled" if reason == "cancelled" else "done"
+            self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
+            self.stats["completion_tokens"] += s.generated
+            self.stats["cached_tokens"] += s.cached_tokens
+            if reason != "cancelled":
+                self.stats["prompt_tokens"] += s.prompt_len
+            self._lock.notify_all()
+        self._emit(job, s.finished_event(reason))
+
+    def _fail(self, s: Sequence, exc: BaseException) -> None:
+        if s in self._running:
+            self._running.remove(s)
+        if s.driver is not None:
+            s.driver.close()
+        s.cache = None
+        with self._lock:
+            s.job.state = "failed"
+            self.stats["failed"] += 1
+            self.stats["completion_tokens"] += s.generated
+            self._lock.notify_all()
+        self._emit(s.job, Failed(exc))

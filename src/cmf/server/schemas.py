@@ -12,6 +12,7 @@ Responses are built here too, so their shapes live in one file: ``chat.completio
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -31,13 +32,14 @@ class RequestError(Exception):
     """A request the server refuses: HTTP ``status`` and the OpenAI error fields."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or error_type(status)
+        self.headers = headers  # extra response headers (Retry-After of a 429)
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -462,10 +464,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The ``usage`` object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came
+    from the prefix cache (OpenAI's field for its prompt caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -488,14 +492,14 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, A
 
 def chat_completion(id: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
                     completion_tokens: int, logprobs: list[TokenLogprob] | None = None,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, cached_tokens: int = 0) -> dict[str, Any]:
     """A ``chat.completion`` object (one choice)."""
     out: dict[str, Any] = {
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                      "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "system_fingerprint": None}
     if extra:
         out["cmf"] = extra
     return out
@@ -521,17 +525,32 @@ def chat_chunk(id: str, created: int, model: str, delta: dict[str, Any] | None, 
 def text_completion(id: str, created: int, model: str, text: str, finish_reason: str | None, *,
                     prompt_tokens: int | None = None, completion_tokens: int | None = None,
                     logprobs: dict[str, Any] | None = None, chunk: bool = False,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, cached_tokens: int = 0) -> dict[str, Any]:
     """A ``text_completion`` object (or one streamed chunk of it, which carries no usage)."""
     out: dict[str, Any] = {"id": id, "object": "text_completion", "created": created, "model": model,
                            "system_fingerprint": None,
                            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]}
     if not chunk and prompt_tokens is not None and completion_tokens is not None:
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     if extra:
         out["cmf"] = extra
     return out
+
+
+class ContentFrames:
+    """The SSE frame of a plain content delta (no logprobs) as a string template: the same bytes
+    as ``_sse(chat_chunk(...))`` — key order, separators, escaping — without building and dumping
+    a dict per token."""
+
+    def __init__(self, id: str, created: int, model: str, *, with_usage_field: bool) -> None:
+        head = json.dumps({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None}, ensure_ascii=False, separators=(",", ":"))
+        self.head = "data: " + head[:-1] + ',"choices":[{"index":0,"delta":{"content":'
+        self.tail = '},"logprobs":null,"finish_reason":null}]' + (',"usage":null' if with_usage_field else "") + "}\n\n"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 
 def model_card(model_id: str, created: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import sanitize
+from ..server.defaults import DEFAULT_KV_BUDGET_MB, DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 from ._runtime_args import add_model_options, announce_compiles, resolve_model
 
 NAME = "serve"
@@ -27,8 +28,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on all routes but /health and the UI "
                         "(default: $CMF_API_KEY)")
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name without .cmf)")
+    p.add_argument("--parallel", "-np", type=int, default=DEFAULT_PARALLEL, metavar="N",
+                   help=f"sequences decoded together in one batch (default {DEFAULT_PARALLEL})")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting beyond the running one before 429 (default 64)")
+                   help="requests waiting for a free sequence slot before 429 (default 64; 0: none wait)")
+    p.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET_MB, metavar="MB",
+                   help=f"KV cache memory of the running sequences and the prefix cache together "
+                        f"(default {DEFAULT_KV_BUDGET_MB} MB); past it new requests wait and the newest "
+                        "running ones are preempted")
+    p.add_argument("--prefix-cache", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB",
+                   help=f"KV of finished requests kept for the prompts that follow (default "
+                        f"{DEFAULT_PREFIX_CACHE_MB} MB, within --kv-budget; 0: off)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help=f"prompt tokens fed between two decode steps (default {DEFAULT_PREFILL_CHUNK}): "
+                        "smaller keeps running streams flowing, larger starts new ones sooner")
     p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--spec", choices=("auto", "off"), default="auto",
@@ -46,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise RuntimeError(f"cmf serve needs the server extra: pip install 'pycmf[server]' ({exc})") from None
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.kv_budget <= 0 or args.prefix_cache < 0 or args.prefill_chunk < 1:
+        raise ValueError("--kv-budget must be > 0, --prefix-cache >= 0 and --prefill-chunk >= 1")
     if args.max_body < 1024:
         raise ValueError(f"--max-body must be >= 1024 bytes, got {args.max_body}")
     if not 0 <= args.port <= 65535:
@@ -76,14 +93,15 @@ def run(args: argparse.Namespace) -> int:
     engine = None
     try:
         model_id = args.alias or Path(path).name.removesuffix(".cmf")
-        engine = Engine(model, max_queue=args.max_queue, default_task=args.task, default_skill=args.skill,
-                        speculative=args.spec == "auto")
+        engine = Engine(model, max_queue=args.max_queue, parallel=args.parallel, kv_budget_mb=args.kv_budget,
+                        prefix_cache_mb=args.prefix_cache, prefill_chunk=args.prefill_chunk,
+                        default_task=args.task, default_skill=args.skill, speculative=args.spec == "auto")
         app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body)
         sock = bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        sys.stderr.write(sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}) on "
-                                  f"http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
+        sys.stderr.write(sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}, parallel "
+                                  f"{args.parallel}) on http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
         sys.stderr.flush()
         import uvicorn
 

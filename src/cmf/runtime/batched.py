@@ -1,0 +1,279 @@
+"""Batched decode: one token for each of several sequences in one pass over the weights.
+
+Row ``b`` of the batch is sequence ``b``, with its own :class:`~cmf.runtime.cache.Cache` and
+position. The matrix products run on the [B, in] block, so each weight is read once per step for
+all the sequences; attention runs per sequence over its own cache (the decode step's kernels).
+
+Batch independence: for q8, f16/bf16 and f32 matrices the products go through the family's row
+kernel (``FusedLinear.fused``), whose result for one row is computed by the same instructions
+whatever the other rows are — and equals the one-token step's ``MatvecGroup`` product. The norms,
+the gated activation, RoPE and attention are per-row kernels shared with ``runtime/step.py``. A
+sequence's logits are therefore bit-identical to ``Model.forward([token], cache)`` on it alone,
+whatever else is in the batch. Other families (4-bit, vbit, q1) use their LinearOp, whose path
+switches at ``fused_max_t`` rows: there a batch can change a row's last bits. Mixers and FFNs the
+fused step does not cover (MLA, linear attention, output gates, MoE) run their generic code, the
+mixer once per sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numba
+import numpy as np
+
+from .blocks import Attention, Block, DenseFfn
+from .cache import Cache, LayerKV, LinearState
+from .memory import release_pages
+from .model import EMBED_RELEASE_EVERY, ContextOverflow
+from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
+from .ops.linear import mm
+from .ops.rowwise import gated_act
+from .step import AttnStep, FfnStep
+from ..kernels.gemv import ACTS
+
+log = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, np.float32)
+_ROPE_CACHE_MAX = 1 << 14  # (profile, position) → cos/sin entries kept across steps
+
+
+def product(op, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a LinearOp
+    """x [B, in] @ W.T for a decode batch: the row kernel where its rows are batch-exact."""
+    if getattr(op, "rows_exact", False):
+        return op.fused(x)
+    return mm(op, x)
+
+
+def _norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm of each row into a new array (the step's ``norm_into``: a copy when ``w`` is None)."""
+    out = np.empty_like(x)
+    if w is None:
+        out[...] = x
+    else:
+        rms_norm_into(x, w, eps, out)
+    return out
+
+
+class BatchDecoder:
+    """Decode steps of one model over many caches (see the module docstring). Reads the model's
+    current blocks at every call, so a task/skill switch between steps is honoured."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001 - a runtime.model.Model
+        self.model = model
+        self._rope: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
+
+    def _cos_sin(self, profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
+        """cos, sin [rotary_dim] at one position, as ``step.rope_at`` computes them (positions recur
+        across sequences and requests: kept in a bounded table)."""
+        key = (id(profile), pos)
+        hit = self._rope.get(key)
+        if hit is not None and hit[0] is profile:
+            return hit[1], hit[2]
+        cos, sin = profile.cos_sin(np.array([pos]))
+        cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
+        if len(self._rope) >= _ROPE_CACHE_MAX:
+            self._rope.clear()
+        self._rope[key] = (profile, cos, sin)
+        return cos, sin
+
+    def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> np.ndarray:
+        """Feed ``tokens[b]`` to ``caches[b]`` for every b; the logits [B, vocab] (float32)."""
+        model = self.model
+        plan = model.plan
+        b = len(tokens)
+        if b == 0 or b != len(caches):
+            raise ValueError(f"a decode batch needs one cache per token ({b} tokens, {len(caches)} caches)")
+        ids = np.asarray(tokens, dtype=np.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= plan.vocab:
+            raise ValueError(f"token id out of range [0, {plan.vocab})")
+        for c in caches:
+            if c.pos + 1 > model.ctx_size:
+                raise ContextOverflow(f"context limit exceeded: {c.pos} + 1 tokens > ctx size {model.ctx_size}")
+        x = model.weights.rows(plan.embed, ids)
+        if plan.embed_multiplier != 1.0:
+            x *= np.float32(plan.embed_multiplier)
+        # the embedding's looked-up pages, given back as Model.hidden does for decode forwards
+        model._forwards += 1
+        if model._embed_pages is not None and model._forwards % EMBED_RELEASE_EVERY == 0:
+            release_pages(model._embed_pages)
+        positions = [c.pos for c in caches]
+        nt = numba.get_num_threads()
+        for i, block in enumerate(model._blocks):
+            if block.alive:
+                x = self._layer(block, x, [c.layers[i] for c in caches], positions, nt)
+        for c in caches:
+            c.pos += 1
+        h = x if model._final_norm is None else _norm(x, model._final_norm, plan.eps)
+        logits = product(model._lm_head, h)
+        if plan.logit_multiplier != 1.0:
+            logits *= np.float32(plan.logit_multiplier)
+        if plan.final_softcap:
+            cap = np.float32(plan.final_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits.astype(np.float32, copy=False)
+
+    # -- one layer ---------------------------------------------------------------------------------
+    def _layer(self, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int) -> np.ndarray:
+        eps = block.eps
+        h = _norm(x, block.n_in, eps)
+        a = self._mixer(block, h, states, positions, nt)
+        if block.plan.sandwich:
+            x += _norm(a, block.n_post_attn, eps)
+            h = _norm(x, block.n_pre_ffn, eps)
+        else:
+            x += a
+            h = _norm(x, block.n_post_attn, eps)
+        f = self._ffn(block, h)
+        if block.plan.sandwich:
+            f = _norm(f, block.n_post_ffn, eps)
+        x += f
+        return x
+
+    def _mixer(self, block: Block, h: np.ndarray, states: list, positions: list[int], nt: int) -> np.ndarray:
+        m = block.mixer
+        if not (isinstance(m, Attention) and AttnStep.supports(m)):
+            # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
+            return np.concatenate([m(h[i:i + 1], st, p) for i, (st, p) in enumerate(zip(states, positions))])
+        a = m.a
+        bsz = h.shape[0]
+        q, k, v = product(m.q, h), product(m.k, h), product(m.v, h)
+        for arr, bias in ((q, m.qb), (k, m.kb), (v, m.vb)):
+            if bias is not None:
+                arr += bias
+        q = q.reshape(bsz, a.heads, a.head_dim)
+        k = k.reshape(bsz, a.kv_heads, a.head_dim)
+        v = v.reshape(bsz, a.kv_heads, a.v_head_dim)
+        att = np.empty((bsz, a.heads, a.v_head_dim), np.float32)
+        qn = m.qn if m.qn is not None else _EMPTY
+        kn = m.kn if m.kn is not None else _EMPTY
+        scale, window, softcap = float(a.scale), int(a.window or 0), float(a.softcap or 0.0)
+        for i, (kv, pos) in enumerate(zip(states, positions)):
+            qi, ki, vi, out = q[i], k[i], v[i], att[i]
+            cos, sin = self._cos_sin(a.rope, pos)
+            if type(kv) is LayerKV and kv.window is None:  # AttnStep.attend_cached, for row i
+                n = kv.reserve(1)
+                serial = attends_serially(qi, n + 1, nt)
+                rope_append_attend(qi, ki, vi, qn, kn, m.eps, cos, sin, kv.k, kv.v, n, pos, kv.start, scale, window,
+                                   softcap, out, serial)
+                kv.n = n + 1
+                if not serial:
+                    attend_decode(qi, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, scale, window, softcap, out, nt)
+            else:  # sliding windows drop old entries as they append
+                qk_norm_rope(qi, ki, qn, kn, m.eps, cos, sin)
+                keys, vals, k0 = kv.append(ki[None], vi[None])
+                attend_decode(qi, keys, vals, pos, k0, a.scale, a.window, a.softcap, out, nt)
+        if m.head_keep is not None:
+            att[:, ~m.head_keep] = 0
+        y = product(m.o, att.reshape(bsz, -1))
+        if m.ob is not None:
+            y += m.ob
+        return y
+
+    def _ffn(self, block: Block, h: np.ndarray) -> np.ndarray:
+        f = block.ffn
+        if not (isinstance(f, DenseFfn) and FfnStep.supports(f)):
+            return f(h)  # MoE and the rest: their own batched code
+        if f._live is None:
+            gate, up, down, pos = f.gate, f.up, f.down, None
+        elif f._live.size == 0:
+            return np.zeros((h.shape[0], f.down.out_features), np.float32)
+        else:
+            lf = f.live()
+            if lf.gate is None or lf.up is None:
+                return f(h)
+            gate, up, down, pos = lf.gate, lf.up, lf.down, lf.positions
+        g = gated_act(product(gate, h), product(up, h), ACTS[f.act_name], in_place=True)
+        if pos is not None:  # group-gathered down columns: live activations at their positions
+            full = np.zeros((h.shape[0], down.in_features), np.float32)
+            full[:, pos] = g
+            g = full
+        return product(down, g)
+
+
+def decoder(model) -> BatchDecoder:  # noqa: ANN001
+    """The model's BatchDecoder (one per model, made on first use)."""
+    bd = getattr(model, "_batch_decoder", None)
+    if bd is None:
+        bd = model._batch_decoder = BatchDecoder(model)
+    return bd
+
+
+# ----------------------------------------------------------------------------------- cache helpers
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes the cache's arrays hold (allocated capacity, not just the valid entries)."""
+    n = 0
+    for layer in cache.layers:
+        if isinstance(layer, LayerKV):
+            n += layer.k.nbytes + layer.v.nbytes
+        elif isinstance(layer, LinearState):
+            n += layer.conv.nbytes + layer.S.nbytes
+    return n
+
+
+def bytes_per_token(model) -> int:  # noqa: ANN001
+    """KV bytes one more position adds to a sequence's cache (linear-attention state is fixed)."""
+    n = 0
+    for b in model._blocks:
+        st = b.new_state()
+        if isinstance(st, LayerKV):
+            n += 4 * st.kv_heads * (st.head_dim + st.v_dim)
+    return max(n, 1)
+
+
+def can_cut(cache: Cache, n: int) -> bool:
+    """Whether ``cache`` can give its first ``n`` positions (a window may have dropped them, a
+    recurrent state holds only its own length)."""
+    if n > cache.pos:
+        return False
+    for layer in cache.layers:
+        if isinstance(layer, LayerKV) and (layer.start > 0 or layer.window is not None) and n != cache.pos:
+            return False
+        if isinstance(layer, LinearState) and n != layer.pos:
+            return False
+    return True
+
+
+def clone_prefix(cache: Cache, n: int, reserve: int = 0) -> Cache:
+    """A new cache holding copies of ``cache``'s first ``n`` positions, with room for ``reserve``
+    more entries per layer (``can_cut(cache, n)`` must hold)."""
+    layers: list = []
+    for layer in cache.layers:
+        if isinstance(layer, LayerKV):
+            keep = n - layer.start
+            new = LayerKV(layer.kv_heads, layer.head_dim, layer.window, layer.v_dim)
+            new.reserve(keep + reserve)
+            new.k[:keep] = layer.k[:keep]
+            new.v[:keep] = layer.v[:keep]
+            new.n, new.start = keep, layer.start
+            layers.append(new)
+        elif isinstance(layer, LinearState):
+            new_s = LinearState.__new__(LinearState)
+            new_s.__dict__.update(layer.__dict__)
+            new_s.conv, new_s.S = layer.conv.copy(), layer.S.copy()
+            new_s.record, new_s._snap = False, {}
+            layers.append(new_s)
+        else:
+            layers.append(layer)
+    out = Cache(layers)
+    out.pos = n
+    return out
+
+
+def shrink(cache: Cache) -> None:
+    """Reallocate each KV layer to its valid entries when it holds far more (a finished sequence
+    kept for its prefix: doubling leaves up to half the arrays unused)."""
+    for layer in cache.layers:
+        if isinstance(layer, LayerKV) and layer.k.shape[0] > max(64, layer.n + layer.n // 2):
+            layer.k = layer.k[:layer.n].copy()
+            layer.v = layer.v[:layer.n].copy()
+
+
+def reserve(cache: Cache, extra: int) -> None:
+    """Room for ``extra`` more positions in every KV layer (one allocation instead of doublings)."""
+    for layer in cache.layers:
+        if isinstance(layer, LayerKV) and layer.window is None:
+            layer.reserve(extra)

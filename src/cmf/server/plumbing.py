@@ -1,0 +1,254 @@
+"""HTTP plumbing under the routes: the event channel from the engine, SSE responses, the bearer-key
+and access-log middleware, body reading, and running uvicorn in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import schemas as S
+from .jobs import Delta, Job
+
+access_log = logging.getLogger("cmf.server.access")
+
+# A body over the cap is read and discarded up to this much before the 413, so that a client
+# still sending gets the answer instead of a connection reset; past it the connection is dropped.
+_DRAIN_LIMIT = 64 << 20
+_PUBLIC_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
+
+
+def error_response(err: S.RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or err.headers)
+
+
+class Channel:
+    """Hands engine events (worker thread) to the request's coroutine (event-loop thread).
+
+    The worker appends to a deque and wakes the loop only when no wake-up is pending, so a loop
+    that is behind takes every event that arrived meanwhile in one go (one SSE write for several
+    tokens) instead of one scheduled callback and one write per token."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.events: collections.deque[Any] = collections.deque()
+        self.ready = asyncio.Event()
+        self._waking = False
+
+    def put(self, event: Any) -> None:
+        """Called by the engine; raises RuntimeError once the loop is closed (the engine then
+        cancels the job)."""
+        self.events.append(event)
+        if not self._waking:  # appended first: the pending wake-up will find this event
+            self._waking = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._waking = False
+        self.ready.set()
+
+    async def get(self) -> list[Any]:
+        """Every event that has arrived (at least one), in order."""
+        while not self.events:
+            self.ready.clear()
+            if self.events:
+                break
+            await self.ready.wait()
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+
+def coalesce(events: list[Any]) -> list[Any]:
+    """Adjacent text deltas merged into one (text and logprobs concatenated)."""
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, Delta) and out and isinstance(out[-1], Delta):
+            out[-1] = Delta(out[-1].text + ev.text, out[-1].logprobs + ev.logprobs)
+        else:
+            out.append(ev)
+    return out
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that cancels its job however the stream ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[str], job: Job) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # a no-op when the job has finished
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Guard:
+    """ASGI middleware: bearer-key check, then one access-log line per request."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        path = scope["path"]
+        # Open: health, and the UI page with its static files (the page asks for the key itself).
+        # Everything else needs the key, unknown paths included, so no alias can slip past.
+        if self.key is None or path in _PUBLIC_PATHS or path == "/" or path.startswith("/static/"):
+            return True
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def send_logged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_logged)
+            else:
+                err = S.RequestError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                     code="invalid_api_key")
+                await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send_logged)
+        finally:
+            st = scope.get("state") or {}
+            usage = st.get("usage")
+            tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
+            if usage and len(usage) > 2 and usage[2]:
+                tokens += f" cached_tokens={usage[2]}"
+            reason = f" finish={st['finish']}" if st.get("finish") else ""
+            access_log.info("method=%s path=%s status=%d%s%s duration_ms=%.1f", scope.get("method"),
+                            scope["path"], status[0] or 499, tokens, reason, (time.perf_counter() - t0) * 1000)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body parsed as JSON; 413 past ``limit`` bytes, 400 when not UTF-8 JSON."""
+    too_big = S.RequestError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise S.bad("invalid Content-Length header", None, "invalid_header") from None
+        if size > limit:
+            if size <= _DRAIN_LIMIT:
+                async for _ in request.stream():
+                    pass
+            raise too_big
+    buf = bytearray()
+    over, seen = False, 0
+    async for chunk in request.stream():  # chunked bodies have no Content-Length to check first
+        seen += len(chunk)
+        if over:
+            if seen > _DRAIN_LIMIT:
+                break
+            continue
+        if len(buf) + len(chunk) > limit:
+            over = True
+            buf = bytearray()
+            continue
+        buf.extend(chunk)
+    if over:
+        raise too_big
+    if not buf:
+        raise S.bad("the request body is empty: send a JSON object", None, "invalid_json")
+    try:
+        text = bytes(buf).decode("utf-8")
+        return json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise S.bad("the request body is not valid UTF-8", None, "invalid_json") from None
+    except RecursionError:
+        raise S.bad("the request body nests too deeply", None, "invalid_json") from None
+    except ValueError as exc:  # json.JSONDecodeError, and int() of a 4300+ digit number
+        raise S.bad(f"the request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread (tests, benchmarks, embedding).
+
+    ``with ServerThread(app) as s: ...`` binds ``host:port`` (port 0 = any free port, see
+    ``s.port``), serves until the block ends, then shuts down.
+    """
+
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.sock = bind(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, log_config=None, lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="cmf-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "ServerThread":
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(256)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
