@@ -129,6 +129,24 @@ def _masks_summary(f: CmfFile) -> dict[str, Any] | None:
                       for m in f.masks]}
 
 
+# Dtypes no reference writer emits (convert.rs quantize_2d / encode_f16, skill bake, the Python
+# writer): allowed by the spec and decoded by the reference's readers, but worth saying.
+REFERENCE_UNWRITTEN_DTYPES = ("bf16",)
+
+
+def _interchange(f: CmfFile, names: list[str], groups: dict[tuple[str, str], list[int]]) -> dict[str, Any]:
+    """Features the file needs, whether this version runs it, and what a reader must understand."""
+    from ..runtime.features import report  # light: no kernels (runtime/__init__ is lazy)
+
+    out = report(f.header, names, skill_file=f.is_skill_file)
+    unwritten: dict[str, int] = defaultdict(int)
+    for (_, dt), (n, _, _) in groups.items():
+        if dt in REFERENCE_UNWRITTEN_DTYPES:
+            unwritten[dt] += n
+    out["reference_unwritten_dtypes"] = dict(unwritten)
+    return out
+
+
 def info(model: str | os.PathLike | CmfFile) -> dict[str, Any]:
     """Summary of a model (path or open CmfFile) as JSON-ready data; see the module docstring."""
     if not isinstance(model, CmfFile):
@@ -190,6 +208,7 @@ def info(model: str | os.PathLike | CmfFile) -> dict[str, Any]:
         "tokenizer": {"vocab_bytes": len(f.section_bytes("vocab")),
                       "chat_template": bool(h.tokenizer_config and h.tokenizer_config.chat_template)},
         "signature": signature_path(f.path).exists(),
+        "interchange": _interchange(f, names, groups),
     }
     if pipeline:
         comps = []
@@ -306,7 +325,21 @@ def render(d: dict[str, Any]) -> str:
     else:
         lines.append("masks: none")
     lines.append(f"signature: {'present (cmf verify checks it)' if d['signature'] else 'none'}")
+    lines += _render_interchange(d["interchange"])
     return "\n".join(lines)
+
+
+def _render_interchange(x: dict[str, Any]) -> list[str]:
+    """The needs / runs-here lines (docs/INTERCHANGE.md)."""
+    lines = [f"needs: {sanitize(', '.join(x['needs'])) or '-'}",
+             "runs here: yes" if x["runs_here"] else f"runs here: no ({sanitize('; '.join(x['why_not']))})"]
+    if x["reference_unknown"]:
+        lines.append(f"needs a reader that understands: {sanitize(x['reference_unknown_text'])} "
+                     f"(the reference's loader does not read it and would compute other numbers)")
+    if x["reference_unwritten_dtypes"]:
+        dts = ", ".join(f"{k} ({n} tensors)" for k, n in x["reference_unwritten_dtypes"].items())
+        lines.append(f"dtypes the reference tools never write: {dts}; allowed by the spec and read by its readers")
+    return lines
 
 
 def render_tensors(d: dict[str, Any]) -> str:
