@@ -154,3 +154,19 @@ def test_tube_files_are_refused_naming_the_tensors(base, tmp_path) -> None:
         cmf.load(path)
     with cmf.open(path) as f:  # still a valid container
         assert f.verify() == []
+
+
+def test_batched_decode_runs_the_pass_end_norm(base, tmp_path) -> None:
+    """The server's batched decode step (runtime/batched.py) runs the same schedule."""
+    from cmf.runtime.batched import BatchDecoder
+
+    sd, cfg, src = base
+    path = looped(src, tmp_path / "loop.cmf", 2, True)
+    ids = prompt(4, 12)
+    ref = oracle(sd, cfg, ids, 2, True)
+    with cmf.load(path) as m:
+        dec = BatchDecoder(m)
+        caches = [m.new_cache(), m.new_cache()]
+        got = np.stack([dec.step([t, t], caches) for t in ids])
+    np.testing.assert_allclose(got[:, 0], ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[:, 1], ref, atol=TOL, rtol=0)

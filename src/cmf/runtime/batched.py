@@ -103,6 +103,8 @@ class BatchDecoder:
         for i, block in enumerate(model._blocks):
             if block.alive:
                 x = self._layer(block, x, [c.layers[i] for c in caches], positions, nt)
+            if block.n_exit is not None:  # looped stacks: the final norm at a pass end (loops.py)
+                x = _norm(x, block.n_exit, block.eps)
         for c in caches:
             c.pos += 1
         h = x if model._final_norm is None else _norm(x, model._final_norm, plan.eps)
