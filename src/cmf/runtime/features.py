@@ -179,7 +179,8 @@ ENTRIES: tuple[tuple[Feature, Callable[[_Ctx], bool]], ...] = (
     (Feature("tensor:mlp.tid2eid", "DeepSeek-V4 hash routing by token id", False), _tensor(r"\.mlp\.tid2eid$")),
     (Feature("tensor:hc_*", "DeepSeek-V4 hyper-connections", False), _tensor(r"(^|\.)hc_(attn|ffn|head)_")),
     (Feature("tensor:layer_scalar", "Gemma-4 per-layer output scalar", False), _tensor(r"\.layer_scalar$")),
-    (Feature("tensor:mlp.*_proj.tube", "task tube segments of a dense FFN", False,
+    (Feature("tensor:mlp.*_proj.tube", "tube-bake task tubes mlp.{gate,up,down}_proj.tube{k}.weight of a "
+             "dense FFN; without them only the core FFN would run", False,
              owner="tube files (docs/INTERCHANGE.md)"), _tensor(r"\.mlp\.(gate|up|down)_proj\.tube\d+\.weight$")),
     # -- whole-model families and heads
     (Feature("arch.g3n", "Gemma-3n stack (AltUp, LAuReL, per-layer embeddings)", False), _on("g3n")),
