@@ -109,7 +109,12 @@ def test_dry_run_and_cli_plan(tmp_path, capsys) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert main(["convert", "-m", str(tmp_path / "src"), "--dry-run", "--json", "--quant", "vbit"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["dtypes"]["vbit_ro"]["tensors"] == 16 and data["options"] == {"quant": "vbit", "mean_bits": 4.25}
+    assert "vbit" in data["dtypes"] and "vbit_ro" not in data["dtypes"]  # what every reference reader decodes
+    assert data["options"] == {"quant": "vbit", "mean_bits": 4.25}
+    assert main(["convert", "-m", str(tmp_path / "src"), "--dry-run", "--json", "--quant", "vbit_ro"]) == 0
+    data = json.loads(capsys.readouterr().out)  # the row-offset form only when asked for by name
+    assert "vbit_ro" in data["dtypes"] and "vbit" not in data["dtypes"]
+    assert data["options"] == {"quant": "vbit_ro", "mean_bits": 4.25}
 
 
 def test_unsupported_model_type_is_refused_by_name(tmp_path, capsys) -> None:
@@ -326,7 +331,8 @@ def test_config_refusals() -> None:
     ("f16", "q8", "model.layers.0.self_attn.q_norm.weight", (16,), "f16"),
     ("q2tp", None, "model.layers.0.mlp.up_proj.weight", (96, 64), "q2tp"),
     ("q2tp", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "q4tp"),
-    ("vbit", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "vbit_ro"),
+    ("vbit", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "vbit"),
+    ("vbit_ro", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "vbit_ro"),
     ("q1p", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "q1"),
     ("q8_row", None, "lm_head.weight", (10, 64), "q8_row"),
 ])

@@ -79,7 +79,7 @@ def test_rewrite_q4t_to_q4tp_keeps_everything_else(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("target,expect,tol", [("q8", "q8_row", 0.02), ("q8_2f", "q8_2f", 0.02),
-                                               ("q4", "q4_block", 0.15), ("vbit", "vbit_ro", 0.15),
+                                               ("q4", "q4_block", 0.15), ("vbit", "vbit", 0.15),
                                                ("q2tp", None, 0.6), ("f16", "f16", 1e-3)])
 def test_round_trips_to_other_quants(tmp_path, target: str, expect: str | None, tol: float) -> None:
     src, dst = tmp_path / "in.cmf", tmp_path / "out.cmf"

@@ -283,7 +283,7 @@ def plan(model: str | os.PathLike[str], quant: str = "q8", *, attn_quant: str | 
             raise ConvertError(f"{folder}: no model.embed_tokens.weight among the weights; not a "
                                f"{mc.model_type} checkpoint?")
         pol = Policy.make(quant, attn_quant, mean_bits, has_experts=any(is_expert(n) for n in names))
-        if route_counts is not None and "vbit" not in (pol.quant, pol.attn_quant):
+        if route_counts is not None and not {"vbit", "vbit_ro"} & {pol.quant, pol.attn_quant}:
             log.warning("--route-stats only shapes vbit bit allocation; ignored for --quant %s", pol.quant)
         for it in items:
             it.choice = pol.choose(it.name, it.shape)

@@ -29,12 +29,13 @@ QUANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "q8": ("q8_row", {}, "Q8_ROW"), "q8_2f": ("q8_2f", {}, "Q8_2F"),
     "q4": ("q4_block", {}, "Q4_BLOCK"), "q4t": ("q4_tiled", {}, "Q4_BLOCK"), "q4tp": ("q4tp", {}, "Q4_BLOCK"),
     "q2tp": ("q4tp", {}, "Q4_BLOCK"),  # a profile, see module docstring
-    "vbit": ("vbit_ro", {}, "VBIT"),  # the converter writes vbit_ro (spec §3.1)
+    # vbit (8) is what every reference reader decodes (docs/INTERCHANGE.md); vbit_ro only on request.
+    "vbit": ("vbit", {}, "VBIT"), "vbit_ro": ("vbit_ro", {}, "VBIT"),
     "q1": ("q1", {}, "VBIT"), "q1p": ("q1", {"diffusion": True}, "VBIT"), "q1s": ("q1s", {}, "VBIT"),
     "q1t": ("q1t", {}, "VBIT"),
 }
 # Spec labels accepted as spellings of the converter names.
-QUANT_ALIASES = {"q8_row": "q8", "q4_block": "q4", "q4_tiled": "q4t", "vbit_ro": "vbit"}
+QUANT_ALIASES = {"q8_row": "q8", "q4_block": "q4", "q4_tiled": "q4t"}
 NEED_IN32 = frozenset({"q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q1", "q1s", "q1t"})
 FALLBACK = "q8_2f"
 Q1T_MAX_IN = 65536  # q1t stores within-row columns as u16
@@ -95,7 +96,7 @@ class Policy:
         if profile and q == "q2tp":
             two_bit = EXPERT_GATE_UP.search(name) if self.has_experts else DENSE_GATE_UP.search(name)
             label = "q2tp" if two_bit else "q4tp"
-        if label == "vbit_ro":
+        if label in ("vbit", "vbit_ro"):
             opts = {"mean_bits": self.mean_bits}
         return label, dict(opts)
 
@@ -138,7 +139,7 @@ class Policy:
         out: dict[str, Any] = {"quant": self.quant}
         if self.attn_quant is not None:
             out["attn_quant"] = self.attn_quant
-        if "vbit" in (self.quant, self.attn_quant):
+        if {"vbit", "vbit_ro"} & {self.quant, self.attn_quant}:
             out["mean_bits"] = self.mean_bits
         return out
 
