@@ -22,8 +22,11 @@ DEFAULT_TASK = "general"  # REFERENCE_NOTES §3: `run --task` defaults to "gener
 
 
 def with_mask(current: MaskSet | None, mask: TaskMask, *, replace: bool = False) -> MaskSet:
-    """The catalog after adding ``mask`` (its task_id assigned). A first mask does not become the
-    default: the default task stays "general", which without a mask of that name runs unmasked."""
+    """The catalog after adding ``mask`` (its task_id assigned). The default task stays "general";
+    without a mask of that name the first mask (task 0, priority Fallback) is what runs by default
+    (runtime/task_masks.py ``default_task``)."""
+    if mask.name == "none":  # runtime/task_masks.py NO_TASK: the name that means "unmasked"
+        raise CmfError("a task mask cannot be called 'none': --task none means run unmasked")
     if current is None:
         current = MaskSet(default_task=DEFAULT_TASK)
     masks = list(current.masks)
