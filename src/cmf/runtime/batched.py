@@ -4,20 +4,21 @@ Row ``b`` of the batch is sequence ``b``, with its own :class:`~cmf.runtime.cach
 position. The matrix products run on the [B, in] block, so each weight is read once per step for
 all the sequences; attention runs per sequence over its own cache (the decode step's kernels).
 
-Batch independence: for q8, f16/bf16 and f32 matrices the products go through the family's row
-kernel (``FusedLinear.fused``), whose result for one row is computed by the same instructions
-whatever the other rows are — and equals the one-token step's ``MatvecGroup`` product. The norms,
-the gated activation, RoPE and attention are per-row kernels shared with ``runtime/step.py``. A
-sequence's logits are therefore bit-identical to ``Model.forward([token], cache)`` on it alone,
-whatever else is in the batch. Other families (4-bit, vbit, q1) use their LinearOp, whose path
-switches at ``fused_max_t`` rows: there a batch can change a row's last bits. Mixers and FFNs the
-fused step does not cover (MLA, linear attention, output gates, MoE) run their generic code, the
-mixer once per sequence.
+Batch independence: for q8, f16/bf16 and f32 matrices the products go through
+``kernels/gemv_batch.BatchGroup``, which computes each (row, sequence) dot product with the
+one-token step's own ``MatvecGroup`` code on the same row chunks; the norms, the gated activation,
+RoPE and attention are the per-row kernels of ``runtime/step.py``. A sequence's logits are
+therefore bit-identical to ``Model.forward([token], cache)`` on it alone, whatever else is in the
+batch. Other families (4-bit, vbit, q1) run their LinearOps, whose path switches at
+``fused_max_t`` rows: there a batch can change a row's last bits. Mixers and FFNs the fused step
+does not cover (MLA, linear attention, output gates, MoE) run their generic code, the mixer once
+per sequence.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Sequence
 
 import numba
@@ -28,22 +29,13 @@ from .cache import Cache, LayerKV, LinearState
 from .memory import release_pages
 from .model import EMBED_RELEASE_EVERY, ContextOverflow
 from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
-from .ops.linear import mm
-from .ops.rowwise import gated_act
 from .step import AttnStep, FfnStep
-from ..kernels.gemv import ACTS
+from ..kernels.gemv_batch import BatchGroup
 
 log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, np.float32)
 _ROPE_CACHE_MAX = 1 << 14  # (profile, position) → cos/sin entries kept across steps
-
-
-def product(op, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a LinearOp
-    """x [B, in] @ W.T for a decode batch: the row kernel where its rows are batch-exact."""
-    if getattr(op, "rows_exact", False):
-        return op.fused(x)
-    return mm(op, x)
 
 
 def _norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -56,6 +48,43 @@ def _norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     return out
 
 
+class _LayerOps:
+    """A layer's products as batch groups (q/k/v in one region, gate/up with the activation in one),
+    built on the first batch step that meets the layer, like ``step.BlockStep``."""
+
+    def __init__(self, block: Block) -> None:
+        m, f = block.mixer, block.ffn
+        self.attn = isinstance(m, Attention) and AttnStep.supports(m)
+        if self.attn:
+            a = m.a
+            self.qkv, self.o = BatchGroup([m.q, m.k, m.v]), BatchGroup([m.o])
+            self.nq, self.nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+            self.bias = None
+            if m.qb is not None or m.kb is not None or m.vb is not None:  # as AttnStep adds them
+                parts = [b if b is not None else np.zeros(n, np.float32) for b, n in
+                         ((m.qb, self.nq), (m.kb, self.nk), (m.vb, a.kv_heads * a.v_head_dim))]
+                self.bias = np.concatenate(parts).astype(np.float32)[None]
+            self.qn = m.qn if m.qn is not None else _EMPTY
+            self.kn = m.kn if m.kn is not None else _EMPTY
+        self.dense = isinstance(f, DenseFfn) and FfnStep.supports(f)
+        if self.dense:
+            self._plain = (BatchGroup([f.gate, f.up], act=f.act_name), BatchGroup([f.down]), None)
+        self._masked: tuple = (None, None)  # (the LiveFfn, its groups or None)
+
+    def ffn_groups(self, f: DenseFfn) -> tuple | None:
+        """(gate/up group, down group, live positions in down's input or None) of the FFN now,
+        or None for the generic path (as ``FfnStep.products``)."""
+        if f._live is None:
+            return self._plain
+        lf = f.live() if f._live.size else None
+        if self._masked[0] is not lf or lf is None:
+            groups = None
+            if lf is not None and lf.gate is not None and lf.up is not None:
+                groups = (BatchGroup([lf.gate, lf.up], act=f.act_name), BatchGroup([lf.down]), lf.positions)
+            self._masked = (lf, groups)
+        return self._masked[1]
+
+
 class BatchDecoder:
     """Decode steps of one model over many caches (see the module docstring). Reads the model's
     current blocks at every call, so a task/skill switch between steps is honoured."""
@@ -63,6 +92,8 @@ class BatchDecoder:
     def __init__(self, model) -> None:  # noqa: ANN001 - a runtime.model.Model
         self.model = model
         self._rope: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
+        self._ops: "weakref.WeakKeyDictionary[Block, _LayerOps]" = weakref.WeakKeyDictionary()
+        self._head: BatchGroup | None = None
 
     def _cos_sin(self, profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
         """cos, sin [rotary_dim] at one position, as ``step.rope_at`` computes them (positions recur
@@ -108,7 +139,9 @@ class BatchDecoder:
         for c in caches:
             c.pos += 1
         h = x if model._final_norm is None else _norm(x, model._final_norm, plan.eps)
-        logits = product(model._lm_head, h)
+        if self._head is None or self._head.ops[0] is not model._lm_head:
+            self._head = BatchGroup([model._lm_head])
+        logits = self._head(h, nt)
         if plan.logit_multiplier != 1.0:
             logits *= np.float32(plan.logit_multiplier)
         if plan.final_softcap:
@@ -118,38 +151,40 @@ class BatchDecoder:
 
     # -- one layer ---------------------------------------------------------------------------------
     def _layer(self, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int) -> np.ndarray:
+        ops = self._ops.get(block)
+        if ops is None:
+            ops = self._ops[block] = _LayerOps(block)
         eps = block.eps
         h = _norm(x, block.n_in, eps)
-        a = self._mixer(block, h, states, positions, nt)
+        if ops.attn:
+            a = self._attention(block, ops, h, states, positions, nt)
+        else:  # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
+            a = np.concatenate([block.mixer(h[i:i + 1], st, p) for i, (st, p) in enumerate(zip(states, positions))])
         if block.plan.sandwich:
             x += _norm(a, block.n_post_attn, eps)
             h = _norm(x, block.n_pre_ffn, eps)
         else:
             x += a
             h = _norm(x, block.n_post_attn, eps)
-        f = self._ffn(block, h)
+        f = self._ffn(block, ops, h, nt)
         if block.plan.sandwich:
             f = _norm(f, block.n_post_ffn, eps)
         x += f
         return x
 
-    def _mixer(self, block: Block, h: np.ndarray, states: list, positions: list[int], nt: int) -> np.ndarray:
+    def _attention(self, block: Block, ops: _LayerOps, h: np.ndarray, states: list, positions: list[int],
+                   nt: int) -> np.ndarray:
         m = block.mixer
-        if not (isinstance(m, Attention) and AttnStep.supports(m)):
-            # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
-            return np.concatenate([m(h[i:i + 1], st, p) for i, (st, p) in enumerate(zip(states, positions))])
         a = m.a
         bsz = h.shape[0]
-        q, k, v = product(m.q, h), product(m.k, h), product(m.v, h)
-        for arr, bias in ((q, m.qb), (k, m.kb), (v, m.vb)):
-            if bias is not None:
-                arr += bias
-        q = q.reshape(bsz, a.heads, a.head_dim)
-        k = k.reshape(bsz, a.kv_heads, a.head_dim)
-        v = v.reshape(bsz, a.kv_heads, a.v_head_dim)
+        qkv = ops.qkv(h, nt)
+        if ops.bias is not None:
+            qkv += ops.bias
+        q = qkv[:, :ops.nq].reshape(bsz, a.heads, a.head_dim)
+        k = qkv[:, ops.nq:ops.nq + ops.nk].reshape(bsz, a.kv_heads, a.head_dim)
+        v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
         att = np.empty((bsz, a.heads, a.v_head_dim), np.float32)
-        qn = m.qn if m.qn is not None else _EMPTY
-        kn = m.kn if m.kn is not None else _EMPTY
+        qn, kn = ops.qn, ops.kn
         scale, window, softcap = float(a.scale), int(a.window or 0), float(a.softcap or 0.0)
         for i, (kv, pos) in enumerate(zip(states, positions)):
             qi, ki, vi, out = q[i], k[i], v[i], att[i]
@@ -168,30 +203,25 @@ class BatchDecoder:
                 attend_decode(qi, keys, vals, pos, k0, a.scale, a.window, a.softcap, out, nt)
         if m.head_keep is not None:
             att[:, ~m.head_keep] = 0
-        y = product(m.o, att.reshape(bsz, -1))
+        y = ops.o(att.reshape(bsz, -1), nt)
         if m.ob is not None:
             y += m.ob
         return y
 
-    def _ffn(self, block: Block, h: np.ndarray) -> np.ndarray:
+    def _ffn(self, block: Block, ops: _LayerOps, h: np.ndarray, nt: int) -> np.ndarray:
         f = block.ffn
-        if not (isinstance(f, DenseFfn) and FfnStep.supports(f)):
+        groups = ops.ffn_groups(f) if ops.dense else None
+        if groups is None:
+            if isinstance(f, DenseFfn) and f._live is not None and f._live.size == 0:
+                return np.zeros((h.shape[0], f.down.out_features), np.float32)
             return f(h)  # MoE and the rest: their own batched code
-        if f._live is None:
-            gate, up, down, pos = f.gate, f.up, f.down, None
-        elif f._live.size == 0:
-            return np.zeros((h.shape[0], f.down.out_features), np.float32)
-        else:
-            lf = f.live()
-            if lf.gate is None or lf.up is None:
-                return f(h)
-            gate, up, down, pos = lf.gate, lf.up, lf.down, lf.positions
-        g = gated_act(product(gate, h), product(up, h), ACTS[f.act_name], in_place=True)
+        gate_up, down, pos = groups
+        g = gate_up(h, nt)[:, :gate_up.width]
         if pos is not None:  # group-gathered down columns: live activations at their positions
-            full = np.zeros((h.shape[0], down.in_features), np.float32)
+            full = np.zeros((h.shape[0], down.group.in_features), np.float32)
             full[:, pos] = g
             g = full
-        return product(down, g)
+        return down(g, nt)
 
 
 def decoder(model) -> BatchDecoder:  # noqa: ANN001

@@ -97,7 +97,7 @@ class Engine:
         self._kv_used = 0
         self.stats: dict[str, int] = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                                       "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                                      "preempted": 0, "steps": 0}
+                                      "preempted": 0, "steps": 0, "max_batch": 0}
         # Select the server defaults now, so a wrong --task/--skill fails at start, not on a request.
         model.select(task=default_task, skill=default_skill)
         self._worker = threading.Thread(target=self._loop, name="cmf-engine", daemon=True)
@@ -217,6 +217,12 @@ class Engine:
         for s in list(self._running) + list(self._preempted):
             self._end(s, "cancelled")
         self._preempted.clear()
+        with self._lock:  # a job put back at the front while close() emptied the queue
+            left = list(self._queue)
+            self._queue.clear()
+        for job in left:
+            job.state = "cancelled"
+            self._emit(job, Finished("cancelled", len(job.prompt_ids), 0))
 
     def _emit(self, job: Job, event: Event) -> None:
         try:
@@ -248,16 +254,15 @@ class Engine:
                     return
             if self._running and seq.key != self._active:
                 return  # another selection runs: this one (and those behind it) wait for the batch to drain
-            if not self._make_room(self._need(seq)):
-                return
             with self._lock:
-                if job is not None:
-                    if not self._queue or self._queue[0] is not job:
-                        continue  # close() emptied the queue meanwhile
-                    self._queue.popleft()
-                else:
-                    self._preempted.popleft()
-            self._start(seq)
+                head = self._preempted if job is None else self._queue
+                if not head or head[0] is not (seq if job is None else job):
+                    continue  # close() emptied the queue meanwhile
+                head.popleft()
+            if not self._start(seq):  # no room in the KV budget yet: back to the front, it waits
+                with self._lock:
+                    (self._preempted if job is None else self._queue).appendleft(seq if job is None else job)
+                return
 
     def _prepare(self, job: Job) -> Sequence | None:
         """The Sequence of the queue's head, its selection resolved (routing an ``auto`` request
@@ -292,23 +297,36 @@ class Engine:
             job._seq = seq  # type: ignore[attr-defined]
         return seq
 
-    def _need(self, seq: Sequence) -> int:
-        return self.bytes_per_token * (seq.target + min(seq.remaining, RESERVE_AHEAD))
-
     def _kv_in_use(self) -> int:
         return sum(cache_nbytes(s.cache) for s in self._running if s.cache is not None)
 
-    def _make_room(self, need: int) -> bool:
-        """Whether ``need`` more bytes fit the budget, evicting prefix-cache entries if that helps.
-        A sequence may always start when nothing runs (submit checked that it fits alone)."""
-        used = self._kv_in_use()
+    def _fits(self, need: int, taken: int = 0) -> bool:
+        """Whether ``need`` more bytes (beyond ``taken``, a cache just taken from the prefix cache)
+        fit the budget, evicting prefix-cache entries if that helps. A sequence may always start
+        when nothing runs (submit checked that it fits alone)."""
+        used = self._kv_in_use() + taken
         over = used + self.prefix.nbytes + need - self.kv_budget
         if over > 0:
             self.prefix.evict(over)
         return not self._running or used + self.prefix.nbytes + need <= self.kv_budget
 
-    def _start(self, seq: Sequence) -> None:
+    def _start(self, seq: Sequence) -> bool:
+        """Start ``seq`` (its cache from the prefix cache where a prefix matches); False when its
+        KV does not fit the budget while others run."""
         job, model = seq.job, self.model
+        ahead = min(seq.remaining, RESERVE_AHEAD)
+        greedy = job.sampling.temperature < 1e-6
+        spec = (self.speculative and greedy and model.has_mtp and not job.logits_processors
+                and job.token_mask is None and seq.pending is None)
+        cache, n, moved = None, 0, False
+        if not spec:
+            # a new prompt keeps its last token to compute (its logits give the first token)
+            limit = seq.target - 1 if seq.pending is None else seq.target
+            cache, n, moved = self.prefix.take(seq.key, seq.tokens, limit, reserve=seq.target + ahead)
+        if not self._fits(self.bytes_per_token * (seq.target - n + ahead), cache_nbytes(cache) if cache else 0):
+            if moved:  # hand it back; a copy is simply dropped (the entry is still there)
+                self.prefix.put(seq.key, seq.tokens, cache)
+            return False
         if seq.key != self._active:
             log.debug("selection %s", selection.describe(seq.key))
             selection.select(model, seq.key)
@@ -316,20 +334,13 @@ class Engine:
         seq.info.update(selection.current(model))
         job.state = "running"
         seq.start(time.perf_counter())
-        ahead = min(seq.remaining, RESERVE_AHEAD)
-        greedy = job.sampling.temperature < 1e-6
-        if (self.speculative and greedy and model.has_mtp and not job.logits_processors and job.token_mask is None
-                and seq.pending is None):
-            # MTP drafts verify several tokens per forward: this sequence runs its own generator
+        if spec:  # MTP drafts verify several tokens per forward: this sequence runs its own generator
             seq.spec_stats = SpecStats()
             seq.cache = model.new_cache()
             seq.driver = generate_step(model, job.prompt_ids, sampler=seq.sampler, processors=seq.processors,
                                        max_tokens=job.max_tokens, cache=seq.cache, spec="auto",
                                        spec_stats=seq.spec_stats)
         else:
-            # a new prompt keeps its last token to compute (its logits give the first token)
-            limit = seq.target - 1 if seq.pending is None else seq.target
-            cache, n = self.prefix.take(seq.key, seq.tokens, limit, reserve=seq.target + ahead)
             if cache is None:
                 cache = model.new_cache()
             if seq.preempted == 0:
@@ -337,6 +348,7 @@ class Engine:
             reserve(cache, seq.target - n + ahead)
             seq.cache = cache
         self._running.append(seq)
+        return True
 
     # -- stepping --------------------------------------------------------------------------------
     def _sweep(self) -> None:
@@ -359,6 +371,7 @@ class Engine:
             rate = 1.0 / max(time.perf_counter() - t0, 1e-6)
             self._step_rate = rate if not self._step_rate else 0.8 * self._step_rate + 0.2 * rate
             self.stats["steps"] += 1
+            self.stats["max_batch"] = max(self.stats["max_batch"], len(decoding))
         for s in [s for s in self._running if s.driver is not None]:
             self._spec_token(s)
         budget = self.prefill_chunk
@@ -437,9 +450,7 @@ class Engine:
             if s.driver is not None:  # a speculative generator cannot resume: it starts over
                 s.driver.close()
                 s.driver = None
-            elif s.cache is not None:
-                self.prefix.put(s.key, s.tokens, s.cache)
-            s.cache = None
+            s.cache = None  # recomputed when it resumes (what its prompt shares may come from the prefix cache)
             s.preempted += 1
             s.target = len(s.tokens) - 1 if s.pending is not None else s.prompt_len
             self._kv_used -= size

@@ -66,20 +66,23 @@ class PrefixCache:
                 best, best_n = eid, common
         return best, best_n
 
-    def take(self, key: Hashable, tokens: list[int], limit: int, reserve: int = 0) -> tuple[Cache | None, int]:
-        """A cache holding the first ``n`` positions of ``tokens`` (``n`` ≤ ``limit``, the longest
-        prefix an entry shares), with room for ``reserve`` more; (None, 0) on a miss."""
+    def take(self, key: Hashable, tokens: list[int], limit: int,
+             reserve: int = 0) -> tuple[Cache | None, int, bool]:
+        """(cache, n, moved): a cache holding the first ``n`` positions of ``tokens`` (``n`` ≤
+        ``limit``, the longest prefix an entry shares) with room for ``reserve`` more, and whether
+        it is the entry itself (removed from here) rather than a copy; (None, 0, False) on a miss."""
         if not self._entries or limit < MIN_REUSE:
             self.misses += 1
-            return None, 0
+            return None, 0, False
         arr = np.asarray(tokens, dtype=np.int64)
         eid, common = self._best(key, arr)
         n = min(common, limit)
         if eid is None or n < MIN_REUSE:
             self.misses += 1
-            return None, 0
+            return None, 0, False
         e = self._entries[eid]
-        if n == e.tokens.size == e.cache.pos:  # the prompt extends the whole entry: hand it over
+        moved = n == e.tokens.size == e.cache.pos  # the prompt extends the whole entry: hand it over
+        if moved:
             del self._entries[eid]
             self.nbytes -= e.nbytes
             cache = e.cache
@@ -88,10 +91,10 @@ class PrefixCache:
             self._entries.move_to_end(eid)
         else:
             self.misses += 1
-            return None, 0
+            return None, 0, False
         self.hits += 1
         self.hit_tokens += n
-        return cache, n
+        return cache, n, moved
 
     def put(self, key: Hashable, tokens: list[int], cache: Cache) -> None:
         """Keep ``cache`` (holding ``tokens``, as many as its positions) for later prompts; entries

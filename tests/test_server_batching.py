@@ -1,0 +1,325 @@
+"""`cmf serve` under concurrency: continuous batching, the prefix cache, limits and disconnects.
+
+The tiny numpy-built qwen3 of tests/test_server.py (q8, plus a task mask and a skill) serves over
+real HTTP through the official ``openai`` client. The batched decode step is checked at the
+runtime level first: a sequence's logits must not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import hf_fixtures as H  # noqa: E402
+from server_fixtures import tiny_qwen3  # noqa: E402
+
+import cmf  # noqa: E402
+from cmf.convert import convert  # noqa: E402
+from cmf.format.growth import append  # noqa: E402
+from cmf.format.masks import MaskSet, TaskMask  # noqa: E402
+from cmf.runtime.batched import clone_prefix, decoder  # noqa: E402
+from cmf.runtime.generate import prompt_ids_for  # noqa: E402
+from cmf.server.app import ServerThread, create_app  # noqa: E402
+from cmf.server.engine import Engine  # noqa: E402
+
+MODEL_ID = "tiny"
+WORDS = ["tensor", "weight", "layer", "model", "hello", "token", "cache", "batch"]
+PROMPTS = [[{"role": "user", "content": f"{WORDS[i % 8]} {WORDS[(3 * i + 1) % 8]} {i}"}] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("batching")
+    out = root / "tiny.cmf"
+    convert(tiny_qwen3(root / "hf"), out, quant="q8")
+    rng = np.random.default_rng(7)
+    head = (rng.standard_normal((H.VOCAB, 64)) * 0.3).astype("<f4")
+    masks = MaskSet(default_task="general", masks=[
+        TaskMask(task_id=0, name="general", ffn=np.ones((2, 96), bool), heads=np.ones((2, 4), bool),
+                 gates=np.ones(2, bool), priority="Fallback"),
+        TaskMask(task_id=1, name="half", ffn=rng.random((2, 96)) < 0.5, heads=np.array([[1, 0, 1, 1]] * 2, bool),
+                 gates=np.ones(2, bool), priority="Normal")])
+    append(out, [("skill.terse.lm_head.weight", "f32", head.shape, head.tobytes())],
+           {"skills": [{"id": "terse", "name": "Terse", "layers": []}]}, masks=masks)
+    return out
+
+
+def _serve(model_path: Path, **engine_kw):
+    model = cmf.load(model_path)
+    eng = Engine(model, **engine_kw)
+    srv = ServerThread(create_app(eng, model_id=MODEL_ID)).start()
+    return model, eng, srv
+
+
+def _close(model, eng, srv) -> None:
+    srv.stop()
+    eng.close()
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def served(model_path):
+    parts = _serve(model_path, max_queue=64, parallel=16)
+    yield parts
+    _close(*parts)
+
+
+def _client(srv) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _stream_text(client, messages, **kw) -> tuple[str, object]:
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, stream=True, temperature=0,
+                                                 stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage
+
+
+# ----------------------------------------------------------------------------------- the runtime
+
+
+@pytest.mark.parametrize("task,skill", [(None, None), ("half", None), (None, "terse")])
+def test_batched_decode_logits_do_not_depend_on_the_batch(model_path, task, skill):
+    """Each row of a batched decode step equals the one-token forward of that sequence alone
+    (within 1e-5; for q8 the kernels make it exact), whatever the batch holds."""
+    model = cmf.load(model_path, task=task, skill=skill)
+    try:
+        tok = model.tokenizer
+        prompts = [tok.encode(f"{w} {WORDS[(i + 3) % 8]} {w}") for i, w in enumerate(WORDS[:6])]
+        caches, nxt = [], []
+        for ids in prompts:
+            c = model.new_cache()
+            nxt.append(int(np.argmax(model.prefill(ids, c)[-1])))
+            caches.append(c)
+        alone = [clone_prefix(c, c.pos, 32) for c in caches]
+        bd = decoder(model)
+        solo_tok, batch_tok = list(nxt), list(nxt)
+        for step in range(12):
+            # the batch changes shape every step: 6, 5, 4, ... rows, in a rotating order
+            k = 6 - step % 4
+            rows = [(step + j) % 6 for j in range(k)]
+            out = bd.step([batch_tok[r] for r in rows], [caches[r] for r in rows])
+            for j, r in enumerate(rows):
+                ref = model.forward([solo_tok[r]], alone[r])[-1]
+                assert np.max(np.abs(ref - out[j])) <= 1e-5
+                assert np.array_equal(ref, out[j])  # q8 products are row-exact
+                solo_tok[r] = batch_tok[r] = int(np.argmax(ref))
+            for r in set(range(6)) - set(rows):  # rows left out this step catch up alone
+                for c_, t_ in ((caches, batch_tok), (alone, solo_tok)):
+                    lg = model.forward([t_[r]], c_[r])[-1]
+                    t_[r] = int(np.argmax(lg))
+    finally:
+        model.close()
+
+
+# ----------------------------------------------------------------------------------- batching
+
+
+def test_concurrent_greedy_streams_equal_sequential(served):
+    model, eng, srv = served
+    client = _client(srv)
+    kw = dict(max_tokens=24, extra_body={"ignore_eos": True})
+    expected = [_stream_text(client, p, **kw)[0] for p in PROMPTS]  # one at a time
+    assert len(set(expected)) > 8  # distinct answers: a mix-up between sequences would show
+    before = eng.snapshot()
+
+    def one(i: int) -> str:
+        return _stream_text(_client(srv), PROMPTS[i], **kw)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == expected
+    after = eng.snapshot()
+    assert after["max_batch"] >= 4, after  # the streams did run together
+    assert after["completed"] - before["completed"] == 16 and after["failed"] == before["failed"]
+    # sampled requests keep their own seeded sampler inside a batch
+    skw = dict(max_tokens=12, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    alone = client.chat.completions.create(model=MODEL_ID, messages=PROMPTS[0], **skw).choices[0].message.content
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: _client(srv).chat.completions.create(
+            model=MODEL_ID, messages=PROMPTS[0], **skw).choices[0].message.content, range(8)))
+    assert texts == [alone] * 8
+
+
+def test_mixed_selections_queue_behind_each_other(served):
+    """A batch runs one task/skill; requests under others wait for it and still get their answers."""
+    model, eng, srv = served
+    client = _client(srv)
+    sels = [None, {"skill": "terse"}, {"task": "half"}, None, {"skill": "terse"}, {"task": "half"}]
+    kw = dict(max_tokens=10, temperature=0)
+
+    def one(i: int) -> tuple[str, str | None, str | None]:
+        extra = {"ignore_eos": True, **({"cmf": sels[i]} if sels[i] else {})}
+        r = _client(srv).chat.completions.create(model=MODEL_ID, messages=PROMPTS[i], extra_body=extra, **kw)
+        return r.choices[0].message.content, r.model_extra["cmf"]["task"], r.model_extra["cmf"]["skill"]
+
+    expected = [one(i) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(one, range(6)))
+    assert got == expected
+    assert [e[2] for e in expected] == [None, "terse", None] * 2
+    assert [e[1] for e in expected] == ["general", "general", "half"] * 2
+    assert client.chat.completions.create(model=MODEL_ID, messages=PROMPTS[1], **kw).choices[0].message.content
+
+
+# ----------------------------------------------------------------------------------- prefix cache
+
+
+def test_second_turn_reuses_the_first_turns_cache(served, model_path):
+    model, eng, srv = served
+    client = _client(srv)
+    history = [{"role": "system", "content": "be brief " * 30}, {"role": "user", "content": "hello model tensor"}]
+    first = client.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=16, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "and the layer weight?"}]
+    text, usage = _stream_text(client, history, max_tokens=16)
+    n_first = first.usage.prompt_tokens
+    assert usage.prompt_tokens > n_first
+    # the whole first prompt (and usually part of the answer) came from the cache
+    assert n_first <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert eng.snapshot()["prefix_cache"]["hits"] >= 1
+    # the same answer as a server without a prefix cache
+    cold = _serve(model_path, prefix_cache_mb=0)
+    try:
+        ref, ref_usage = _stream_text(_client(cold[2]), history, max_tokens=16)
+    finally:
+        _close(*cold)
+    assert text == ref and ref_usage.prompt_tokens_details.cached_tokens == 0
+    # a skill runs under its own key: nothing of the backbone's KV is reused
+    skilled = client.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=2, temperature=0,
+                                             extra_body={"cmf": {"skill": "terse"}})
+    assert skilled.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completions_report_cached_tokens(served):
+    model, eng, srv = served
+    client = _client(srv)
+    prompt = "tensor weight layer model " * 8
+    client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=MODEL_ID, prompt=prompt + "cache", max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(model.tokenizer.encode(prompt)) - 1
+
+
+# ----------------------------------------------------------------------------------- limits
+
+
+def _open_stream(srv, body: dict) -> socket.socket:
+    sock = socket.create_connection((srv.host, srv.port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+LONG = {"model": MODEL_ID, "messages": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "stream": True,
+        "ignore_eos": True}
+
+
+def test_over_the_limits_is_429_with_retry_after(model_path):
+    parts = _serve(model_path, parallel=1, max_queue=0)
+    model, eng, srv = parts
+    try:
+        sock = _open_stream(srv, LONG)
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(
+            {"model": MODEL_ID, "messages": PROMPTS[1], "max_tokens": 4}), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read()
+        assert time.perf_counter() - t0 < 2.0
+        assert r.status == 429 and int(r.getheader("Retry-After")) >= 1
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and "--parallel 1" in err["message"]
+        with pytest.raises(openai.RateLimitError):
+            _client(srv).chat.completions.create(model=MODEL_ID, messages=PROMPTS[1], max_tokens=4)
+        sock.close()
+        assert eng.wait_idle(10)
+        # the server stays up and serves the next request
+        r = _client(srv).chat.completions.create(model=MODEL_ID, messages=PROMPTS[1], max_tokens=4)
+        assert r.usage.completion_tokens >= 1
+        assert eng.snapshot()["rejected"] == 2
+    finally:
+        _close(*parts)
+
+
+def test_disconnect_frees_the_slot_within_a_step(model_path):
+    parts = _serve(model_path, parallel=1, max_queue=4)
+    model, eng, srv = parts
+    try:
+        before = eng.snapshot()
+        sock = _open_stream(srv, LONG)
+        got = b""
+        while got.count(b"data: ") < 4:
+            got += sock.recv(65536)
+        # a second request queues behind the long one; the long one's client leaves
+        client = _client(srv)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(lambda: client.chat.completions.create(model=MODEL_ID, messages=PROMPTS[2],
+                                                                         max_tokens=4, temperature=0))
+            deadline = time.monotonic() + 10
+            while eng.waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            t0 = time.perf_counter()
+            sock.close()
+            r = waiting.result(timeout=30)
+            served_after = time.perf_counter() - t0
+        assert r.usage.completion_tokens >= 1
+        assert served_after < 5.0, served_after  # at once, not after 3000 tokens
+        after = eng.snapshot()
+        assert after["cancelled"] == before["cancelled"] + 1
+        assert after["completion_tokens"] - before["completion_tokens"] < 3000
+    finally:
+        _close(*parts)
+
+
+def test_kv_budget_preempts_and_resumes(model_path):
+    """With room for fewer sequences than run, the newest are preempted and resumed later; every
+    answer is still complete and the one it gets alone."""
+    model = cmf.load(model_path)
+    per_token = Engine(model, parallel=1).bytes_per_token
+    model.close()
+    parts = _serve(model_path, parallel=4, kv_budget_mb=per_token * 700 / 2**20, prefix_cache_mb=0)
+    model, eng, srv = parts
+    try:
+        client = _client(srv)
+        kw = dict(max_tokens=300, extra_body={"ignore_eos": True})
+        expected = [_stream_text(client, p, **kw)[0] for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda i: _stream_text(_client(srv), PROMPTS[i], **kw), range(3)))
+        assert [g[0] for g in got] == expected
+        assert all(g[1].completion_tokens == 300 for g in got)
+        snap = eng.snapshot()
+        assert snap["preempted"] >= 1 and snap["failed"] == 0
+        # a request that cannot fit the budget alone is refused up front
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_ID, messages=PROMPTS[0], max_tokens=900)
+        assert e.value.body["code"] == "context_length_exceeded" and "--kv-budget" in e.value.body["message"]
+    finally:
+        _close(*parts)
+
+
+def test_health_reports_the_engine(served):
+    model, eng, srv = served
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    conn.request("GET", "/health")
+    body = json.loads(conn.getresponse().read())
+    e = body["engine"]
+    assert body["status"] == "ok" and e["parallel"] == 16 and e["kv_budget_mb"] > 0
+    assert {"entries", "mb", "hits", "misses", "cached_tokens"} <= set(e["prefix_cache"])
+    assert prompt_ids_for(model, PROMPTS[0])  # the fixture's prompts render
