@@ -110,6 +110,7 @@ TRIGGERS: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = {
     "arch.head_clusters": ({"head_clusters": 4}, {}),
     "arch.num_loops": ({"num_loops": 2}, {}),
     "arch.loop_final_norm": ({"loop_final_norm": True}, {}),
+    "tensor:te.*/dit.*/vae.*": ({}, {"te.config_json_like": np.ones(64, np.float32)}),
 }
 
 

@@ -43,6 +43,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"),
     "export": ("export", "write a .cmf as a Hugging Face folder (safetensors + config + tokenizer)"),
     "import-gguf": ("import_gguf", "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"),
+    "imagine-pack": ("imagine_pack", "pack a diffusers text-to-image pipeline folder (Lumina-Image 2.0) into one "
+                                     ".cmf file"),
+    "imagine": ("imagine", "generate an image from a prompt with a pipeline container (.cmf from imagine-pack)"),
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)"),
     "route-stats": ("route_stats", "count expert selections per MoE layer over a text (JSON for --route-stats, "
                                    "moe-defrag, CMF_MOE_MASK)"),

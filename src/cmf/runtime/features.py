@@ -183,6 +183,8 @@ ENTRIES: tuple[tuple[Feature, Callable[[_Ctx], bool]], ...] = (
              "dense FFN; without them only the core FFN would run", False,
              owner="tube files (docs/INTERCHANGE.md)"), _tensor(r"\.mlp\.(gate|up|down)_proj\.tube\d+\.weight$")),
     # -- whole-model families and heads
+    (Feature("tensor:te.*/dit.*/vae.*", "a text-to-image pipeline container (spec §12): run it with cmf imagine",
+             False), _tensor(r"^(te|dit|vae)\.")),
     (Feature("arch.g3n", "Gemma-3n stack (AltUp, LAuReL, per-layer embeddings)", False), _on("g3n")),
     (Feature("arch.qwen4_exp", "Qwen3.8-Flash-Next stack", False), _on("qwen4_exp")),
     (Feature("arch.deepseek_v41", "DeepSeek-V4.1 source configuration", False), _on("deepseek_v41")),

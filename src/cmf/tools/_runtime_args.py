@@ -126,7 +126,11 @@ def load_model(args: argparse.Namespace):
 
             raise CmfError("give --skill or --blend, not both")
         blend = parse_blend(blend)
-    model = load(resolve_model(args.model), task=args.task, skill=args.skill, threads=args.threads,
+    source = resolve_model(args.model)
+    from ..image.components import refuse_if_pipeline  # light: no torch
+
+    refuse_if_pipeline(source, getattr(args, "command", None) or "run")
+    model = load(source, task=args.task, skill=args.skill, threads=args.threads,
                  ctx_size=args.ctx_size, batch_size=args.batch_size, blend=blend,
                  int8_activations=getattr(args, "int8_act", None), verify=getattr(args, "verify", False))
     path = os.environ.get("CMF_MOE_STATS")
