@@ -229,7 +229,8 @@ def describe(features: Iterable[Feature], header: Any = None) -> str:
         if f.key == "arch.hidden_act" and isinstance(arch, dict):
             out.append(f"arch.hidden_act = {arch.get('hidden_act')!r} ({f.what})")
         elif f.key == "layer_types" and isinstance(arch, dict):
-            odd = sorted({t for t in arch.get("layer_types") or [] if t not in MODELLED_LAYER_TYPES | {"ShortConv", "Kda"}})
+            known = MODELLED_LAYER_TYPES | {"ShortConv", "Kda"}
+            odd = sorted({t for t in arch.get("layer_types") or [] if t not in known})
             out.append(f"layer_types {', '.join(map(str, odd))} ({f.what})")
         else:
             out.append(str(f))
