@@ -17,7 +17,8 @@ from typing import Any
 from ..format.hash64 import hash64
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
-from . import print_json, sanitize
+from ..image.components import components, render_lines
+from . import fmt_bytes, fmt_count, print_json, sanitize
 
 NAME = "diff"
 SUMMARY = "semantic difference of two models (arch, tensors, skills, masks)"
@@ -108,11 +109,27 @@ def diff(a: str | os.PathLike | CmfFile, b: str | os.PathLike | CmfFile) -> dict
     va, vb = a.tokenizer_json, b.tokenizer_json
     tokenizer_changed = (va is None) != (vb is None) or (va is not None and va != vb)
 
+    comps = _components(a, b, changed, added, removed)
     identical = not (arch or header or added or removed or changed or tokenizer_changed
                      or any(skills.values()) or any(masks.values()))
     return {"a": str(a.path), "b": str(b.path), "identical": identical, "arch": arch, "header": header,
             "tensors": {"added": added, "removed": removed, "changed": changed, "unchanged": unchanged},
-            "skills": skills, "masks": masks, "tokenizer_changed": tokenizer_changed}
+            "skills": skills, "masks": masks, "tokenizer_changed": tokenizer_changed,
+            **({"components": comps} if comps is not None else {})}
+
+
+def _components(a: CmfFile, b: CmfFile, changed: list[dict[str, Any]], added: list[dict[str, Any]],
+                removed: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Pipeline containers (spec §12): each side's components and the tensor changes per component."""
+    ca, cb = components(a), components(b)
+    if ca is None and cb is None:
+        return None
+    per: dict[str, dict[str, int]] = {}
+    for what, rows in (("changed", changed), ("added", added), ("removed", removed)):
+        for e in rows:
+            ns = e["name"].split(".", 1)[0]
+            per.setdefault(ns, {"changed": 0, "added": 0, "removed": 0})[what] += 1
+    return {"a": ca or [], "b": cb or [], "tensors": per}
 
 
 def _val(v: Any) -> str:
@@ -156,6 +173,14 @@ def render(d: dict[str, Any]) -> str:
                 lines.append(f"{what[:-1]} {sign} {sanitize(n)}")
         if "default_task" in g:
             lines.append(f"default mask: {_val(g['default_task'][0])} -> {_val(g['default_task'][1])}")
+    if "components" in d:
+        c = d["components"]
+        for side, sign in (("a", "-"), ("b", "+")):
+            lines.append(f"components {sign} {side.upper()}:")
+            lines += [sanitize(x) for x in render_lines(c[side], fmt_count, fmt_bytes, indent="  ")]
+        for ns, n in c["tensors"].items():
+            lines.append(sanitize(f"component {ns}: {n['changed']} changed, {n['added']} added, "
+                                  f"{n['removed']} removed tensors"))
     if d["tokenizer_changed"]:
         lines.append("tokenizer: changed")
     lines.append("identical" if d["identical"] else "models differ")

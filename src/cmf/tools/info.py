@@ -24,7 +24,7 @@ from . import fmt_bytes, fmt_count, print_json, sanitize, table
 NAME = "info"
 SUMMARY = "summarize a model: arch, parameters, dtypes by family, sections, skills, masks"
 
-PIPELINE_NAMESPACES = ("te", "dit", "vae")  # spec §12: text encoder, denoiser, VAE decoder
+PIPELINE_NAMESPACES = ("te", "dit", "vae", "scheduler")  # spec §12 components; imagine-pack adds the scheduler config
 FAMILY_ORDER = ("embed", "attention", "ffn", "experts", "norms", "lm_head", *PIPELINE_NAMESPACES,
                 "skill", "other")
 

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from ..format.errors import CmfError, FileNotFound, IoError, MissingShard, SignatureError
 from ..format.reader import open as cmf_open
 from ..format.signature import signature_path, verify_signature
-from . import fmt_bytes, print_json, sanitize
+from ..image.components import components, render_lines
+from . import fmt_bytes, fmt_count, print_json, sanitize
 
 NAME = "verify"
 SUMMARY = "check the whole hash chain and the detached signature, if any"
@@ -68,6 +69,9 @@ def verify_model(path: str | os.PathLike, pubkey: str | None = None, *,
                     cmf_open(p, shards=False).close()
                 except CmfError as exc:
                     problems.append(f"shard {p.name} does not open on its own: {exc}")
+        comps = components(f)
+        if comps is not None:  # a pipeline container (spec §12): what the hashes cover, per component
+            report["components"] = comps
         tensor_bytes = sum(t.nbytes for t in f.tensors())
         cb = progress("hash64", tensor_bytes) if progress else None
         problems += f.verify(progress=cb)
@@ -104,6 +108,9 @@ def render(r: dict[str, Any]) -> str:
         n = len(r["problems"])
         lines = [f"{name}: FAILED, {n} problem{'s' if n != 1 else ''}"]
         lines += [f"  {sanitize(p)}" for p in r["problems"]]
+    if r.get("components"):
+        lines.append("components:")
+        lines += [sanitize(x) for x in render_lines(r["components"], fmt_count, fmt_bytes)]
     alone = r.get("shard_alone")
     if alone:
         missing = ", ".join(str(n) for n in alone["missing"])
