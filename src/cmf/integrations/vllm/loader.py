@@ -1,0 +1,83 @@
+"""The ``cmf`` load format for vLLM: a BaseModelLoader that streams a CMF file's tensors.
+
+Imported only by :func:`cmf.integrations.vllm.plugin.register` inside a vLLM process (every
+engine and worker process loads the ``vllm.general_plugins`` entry points), so importing vLLM at
+module level is fine here and nowhere else in pycmf.
+
+``model`` is the folder :func:`cmf.integrations.vllm.prepare` made (config and tokenizer); the
+loader reads the CMF path from its ``cmf_source.json`` (or ``model_loader_extra_config.path``),
+checks the file under the ``verify`` policy, refuses a task mask it cannot honour, and feeds
+``model.load_weights`` an iterator of (Hugging Face name, tensor) pairs cast to the serving dtype.
+With tensor parallelism every worker runs this and vLLM's weight loaders keep their own slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from ...format.reader import open as cmf_open
+from .materialize import check_fresh, read_source
+from .weights import LoaderOptions, check_integrity, check_task, iter_hf_weights
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMAT = "cmf"
+
+
+def _cmf_path(model_config: ModelConfig, opts: LoaderOptions) -> tuple[Path, dict]:
+    if opts.path:
+        return Path(opts.path), {}
+    rec = read_source(model_config.model)
+    return Path(rec["path"]), rec
+
+
+@register_model_loader(LOAD_FORMAT)
+class CmfModelLoader(BaseModelLoader):
+    """Loads weights from the CMF file behind a materialised folder (``load_format="cmf"``)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        # Parse now so a bad option fails at engine start, before the model is built.
+        self.options = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the weights are the local CMF file."""
+        path, _ = _cmf_path(model_config, self.options)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the CMF file named by {model_config.model} does not exist")
+
+    def iter_weights(self, model_config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in ``dtype``) after the integrity and mask checks; the file stays open."""
+        path, rec = _cmf_path(model_config, self.options)
+        check_integrity(path, self.options.verify, self.options.pubkey)
+        with cmf_open(path) as f:
+            if rec:
+                check_fresh(f, rec)
+            task = check_task(f, self.options.task, self.options.skill)
+            if task is not None:
+                log.info("%s: task mask %r restricts nothing; served as is", path, task)
+            for name, arr in iter_hf_weights(f, self.options.skill):
+                # f32 from the codecs, then one cast: bf16/f16 rounding is torch's round-to-nearest-even.
+                yield name, torch.from_numpy(arr).to(dtype)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Feed ``model.load_weights`` the file's tensors; refuse a model that is left with unset weights."""
+        t0 = time.perf_counter()
+        loaded = model.load_weights(self.iter_weights(model_config, model_config.dtype))
+        if loaded is not None:
+            # Parameters the file did not fill would be served as random init: say which.
+            missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
+            if missing:
+                raise ValueError(f"cmf load format: {len(missing)} parameter(s) not in the file, e.g. "
+                                 f"{', '.join(missing[:5])}")
+        log.info("cmf: weights loaded in %.2f s", time.perf_counter() - t0)

