@@ -25,8 +25,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
+from . import chat_route
 from . import schemas as S
 from .engine import Engine
+from .structured import Grammars
 from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
 from .plumbing import Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response, read_json, sse
 
@@ -52,6 +54,7 @@ class _Api:
         self.vocab = int(self.model.plan.vocab)
         self.created = int(self.model.file.path.stat().st_mtime)
         self.info = self._info()
+        self.grammars = Grammars(engine.tokenizer, self.vocab)  # llguidance's tokenizer, built on first use
 
     def _info(self) -> dict[str, Any]:
         """The model card's ``cmf`` block: what `cmf info --json` says, without server paths."""
@@ -223,65 +226,8 @@ class _Api:
         return JSONResponse(S.tokenize_result(self.model_id, ids, self.model.ctx_size, return_ids=parsed.return_ids))
 
     async def chat(self, request: Request) -> Response:
-        body = await read_json(request, self.max_body)
-        req = S.parse_chat(body, vocab=self.vocab)
-        self._check_model(req.model)
-        task, skill, blend = self._selection(req.selection)
-        ids = await self._chat_ids(req)
-        max_tokens = self._budget(len(ids), req.sampling.max_tokens, "messages")
-        chan = Channel()
-        job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-                  task=task, skill=skill, blend=blend, route_prompt=req.messages)
-        self._submit(job)
-        rid, created = S.new_id("chatcmpl"), S.now()
-        if not req.stream:
-            got = await self._collect(request, job, chan)
-            if got is None:
-                return Response(status_code=499)  # nobody reads it; logged as the client's leaving
-            text, lps, fin = got
-            self._log_usage(request, fin)
-            return JSONResponse(S.chat_completion(rid, created, self.model_id, text, fin.finish_reason,
-                                                  fin.prompt_tokens, fin.completion_tokens,
-                                                  lps if req.logprobs else None, self._extra(fin),
-                                                  cached_tokens=fin.cached_tokens))
-
-        async def stream() -> AsyncIterator[str]:
-            mk = lambda delta, **kw: S.chat_chunk(rid, created, self.model_id, delta,  # noqa: E731
-                                                  with_usage_field=req.include_usage, **kw)
-            content = S.ContentFrames(rid, created, self.model_id, with_usage_field=req.include_usage)
-            yield sse(mk({"role": "assistant", "content": ""}))
-            while True:
-                # every event that arrived since the last write goes out in one write
-                frames: list[str] = []
-                for ev in coalesce(await chan.get()):
-                    if isinstance(ev, Delta):
-                        if req.logprobs and ev.logprobs:
-                            frames.append(sse(mk({"content": ev.text}, logprobs=ev.logprobs)))
-                        elif ev.text:
-                            frames.append(content(ev.text))
-                    elif isinstance(ev, Finished):
-                        self._log_usage(request, ev)
-                        if ev.finish_reason == "cancelled":
-                            frames.append(sse(S.error_body("the server is shutting down", type="server_error",
-                                                           code="unavailable")))
-                            yield "".join(frames)
-                            return
-                        frames.append(sse(mk({}, finish_reason=ev.finish_reason, extra=self._extra(ev))))
-                        if req.include_usage:
-                            frames.append(sse(S.chat_chunk(rid, created, self.model_id, None, usage_obj=S.usage(
-                                ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))))
-                        frames.append("data: [DONE]\n\n")
-                        yield "".join(frames)
-                        return
-                    elif isinstance(ev, Failed):
-                        frames.append(sse(S.error_body("internal error while generating; see the server log",
-                                                       type="server_error", code="internal_error")))
-                        yield "".join(frames)
-                        return
-                if frames:
-                    yield "".join(frames)
-
-        return SSEResponse(stream(), job)
+        # tools, structured output, reasoning and n > 1 live in chat_route
+        return await chat_route.chat(self, request)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body)

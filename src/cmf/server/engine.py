@@ -26,7 +26,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import numba
 import numpy as np
@@ -92,6 +93,7 @@ class Engine:
         self._paused = False
         self._closed = False
         self._active: tuple | None = None  # the selection key the model has now
+        self._calls: collections.deque[tuple[Callable[[Any], Any], Future]] = collections.deque()
         self._batch = decoder(model)
         self._step_rate = 0.0  # decode steps per second (moving average), for Retry-After
         self._kv_used = 0
@@ -170,6 +172,36 @@ class Engine:
                 self._lock.wait(min(left, 0.05))
         return True
 
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run ``fn(model)`` on the worker between two steps (the model is one thread's): the
+        hook of work that is not generation (embeddings). ``fn`` may change the selection; the
+        running batch's is restored after it. Returns a Future of its result."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            self._calls.append((fn, fut))
+            self._lock.notify_all()
+        return fut
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, fut = self._calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.model))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            finally:
+                if self._running and self._active is not None:
+                    selection.select(self.model, self._active)
+                else:
+                    self._active = None
+
     def pause(self) -> None:
         """Admit no new job (the running ones go on); requests still queue up to ``max_queue``."""
         with self._lock:
@@ -201,11 +233,13 @@ class Engine:
         numba.set_num_threads(self._threads)
         while True:
             with self._lock:
-                while not self._closed and not self._running and (self._paused or not (self._queue or self._preempted)):
+                while not self._closed and not self._running and not self._calls and (
+                        self._paused or not (self._queue or self._preempted)):
                     self._lock.wait()
                 if self._closed:
                     break
             try:
+                self._run_calls()
                 self._admit()
                 self._sweep()
                 if self._running:
@@ -223,6 +257,11 @@ class Engine:
         for job in left:
             job.state = "cancelled"
             self._emit(job, Finished("cancelled", len(job.prompt_ids), 0))
+        with self._lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, fut in calls:
+            fut.cancel()
 
     def _emit(self, job: Job, event: Event) -> None:
         try:

@@ -4,7 +4,9 @@ Requests are checked field by field before anything is queued: a wrong type, an 
 value or an unsupported option raises :class:`RequestError`, which carries the HTTP status and the
 OpenAI error fields (``message``, ``type``, ``param``, ``code``). Unknown fields are ignored, as
 OpenAI-compatible servers do, except the few whose silent omission would change the answer
-(``n`` > 1, ``best_of`` > 1, ``suffix``, a structured ``response_format``): those are refused.
+(``best_of`` > 1, ``suffix``, ``n`` > 1 on completions): those are refused. ``tools``,
+``tool_choice``, ``response_format`` and ``grammar`` are checked by ``tools_calls`` and
+``structured`` (the chat request keeps the raw body for them).
 
 Responses are built here too, so their shapes live in one file: ``chat.completion``,
 ``chat.completion.chunk``, ``text_completion``, ``model``/``list``, ``tokenize`` and the error body.
@@ -23,6 +25,7 @@ from typing import Any, Mapping
 MAX_STOP = 16  # OpenAI allows 4; llama.cpp-style clients send more, each costs one find() per token
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_N = 16  # choices per request: each is one sequence of the batch
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _UNSET: Any = ...  # a field that was absent (``null`` is a value: "the backbone", "the default task")
@@ -195,6 +198,15 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     thinking: bool | None = None
     selection: Selection = field(default_factory=Selection)
+    n: int = 1
+    raw: dict[str, Any] = field(default_factory=dict)  # the body: tools, tool_choice, response_format, grammar
+
+
+def replace_seed(s: Sampling, seed: int) -> Sampling:
+    """``s`` with another seed (the later choices of an ``n`` > 1 request)."""
+    import dataclasses
+
+    return dataclasses.replace(s, seed=seed)
 
 
 @dataclass
@@ -242,9 +254,9 @@ def _logit_bias(body: Mapping[str, Any], vocab: int) -> dict[int, float]:
 
 
 def _sampling(body: Mapping[str, Any], vocab: int, *, chat: bool) -> Sampling:
-    n = _int(body, "n", default=1)
-    if n != 1:
-        raise bad(f"only n=1 is supported (one choice per request), got n={n}", "n", "unsupported_value")
+    n = _int(body, "n", lo=1, hi=MAX_N, default=1)
+    if n != 1 and not chat:
+        raise bad(f"only n=1 is supported on completions, got n={n}", "n", "unsupported_value")
     best_of = _int(body, "best_of", default=1)
     if best_of != 1:
         raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
@@ -367,10 +379,7 @@ def parse_chat(body: Any, *, vocab: int) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise bad("'tools' must be an array of objects", "tools", "invalid_type")
-    rf = _obj(body, "response_format")
-    if rf is not None and rf.get("type", "text") != "text":
-        raise bad(f"'response_format' {str(rf.get('type'))[:40]!r} is not supported: only text", "response_format",
-                  "unsupported_value")
+    _obj(body, "response_format")  # its content: cmf.server.structured
     thinking = None
     ctk = _obj(body, "chat_template_kwargs")  # vLLM's spelling, which many clients already send
     if ctk is not None and "enable_thinking" in ctk:
@@ -381,7 +390,8 @@ def parse_chat(body: Any, *, vocab: int) -> ChatRequest:
     stream, include_usage = _stream(body)
     return ChatRequest(model=model, messages=messages, sampling=_sampling(body, vocab, chat=True), stream=stream,
                        include_usage=include_usage, logprobs=logprobs, top_logprobs=top, tools=tools or None,
-                       thinking=thinking, selection=_selection(body))
+                       thinking=thinking, selection=_selection(body),
+                       n=_int(body, "n", lo=1, hi=MAX_N, default=1), raw=body)
 
 
 def _prompt(body: Mapping[str, Any], vocab: int) -> str | list[int]:
