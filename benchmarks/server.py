@@ -1,18 +1,25 @@
-"""`cmf serve` under N concurrent streaming clients: requests/s, tokens/s, time to first token.
+"""`cmf serve` under N concurrent streaming clients: aggregate tokens/s, time to first token, and the
+second chat turn's TTFT against the first's on a long history (the prefix cache).
 
-    python benchmarks/server.py [--models ../shared/models] [--quant q8] [--clients 1,4,16]
-                                [--requests 4] [--max-tokens 64] [--write]
+    python benchmarks/server.py [--model FILE.cmf | --models ../shared/models --quant q8]
+                                [--clients 1,4,16,32] [--requests 2] [--max-tokens 128] [--threads N]
+                                [--parallel 32] [--history 1000] [--runs 1] [--write]
 
-The benchmark model (../shared/models/base, a 3.67M-parameter Qwen3) is converted once at
-``--quant``; ``cmf serve`` runs in a subprocess (so the clients here do not share its GIL) on a
-loopback port. Each client thread sends ``--requests`` streaming chat requests one after the
-other (prompts from texts/*-prompts.txt, greedy, end-of-sequence pushed down by ``logit_bias``
-so every answer is ``--max-tokens`` long) and times the first content chunk (TTFT) and the whole
-answer. The runtime's own decode speed on one sequence, without HTTP, is measured first.
+``--model`` serves that file (the issue's: ``cmf import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o
+smol-q8.cmf``); without it ../shared/models/base (a 3.67M-parameter Qwen3) is converted at
+``--quant``. ``cmf serve`` runs in a subprocess on a loopback port (the clients here do not share
+its GIL). Each client thread sends ``--requests`` streaming chat requests one after the other
+(prompts from texts/*-prompts.txt, greedy, end-of-sequence pushed down by ``logit_bias`` so every
+answer is ``--max-tokens`` long) and times the first content chunk (TTFT) and the whole answer;
+tokens are counted from the usage chunk. The reference is ``cmf bench``'s decode rate on the same
+file in this process (before the server starts). The turn test sends a ~``--history``-token
+conversation, then its next turn (the answer and a new question appended), three times on
+different texts: the second turn's prompt shares the first's, which the prefix cache holds.
 
-When ``llama_cpp.server`` (llama-cpp-python with its server extra) is importable, the same load
-runs against it on a Q8_0 GGUF that ``cmf.convert.gguf_export`` writes from the same file (or
-``--gguf``). ``--write`` puts the result into the ``## server`` section of benchmarks/RESULTS.md.
+When ``llama_cpp.server`` (llama-cpp-python with its server extra, e.g. ``.venv-bench``) is
+importable, the same load runs against it on a Q8_0 GGUF exported from the same file (or
+``--gguf``). ``--runs N`` repeats every level N times and reports medians (the machine is shared).
+``--write`` appends a dated section to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import datetime
 import http.client
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+QUESTIONS = ["Summarize the text above in one sentence.", "What is the second point it makes?",
+             "Name one thing the text leaves out.", "Rewrite its first sentence more simply."]
 
 
 def prompts(models: Path) -> list[str]:
@@ -42,7 +52,9 @@ def prompts(models: Path) -> list[str]:
         f = models / "texts" / f"{name}-prompts.txt"
         if f.is_file():
             out += [ln.strip() for ln in f.read_text().splitlines() if ln.strip()]
-    return out or ["Explain what a tensor is."]
+    return out or [f"Explain what a {w} is, with an example." for w in
+                   ("tensor", "hash table", "compiler", "mutex", "socket", "matrix", "cache", "thread",
+                    "closure", "pointer", "queue", "graph", "kernel", "process", "stack", "heap")]
 
 
 def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str, int]:
@@ -50,7 +62,7 @@ def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str, 
     cmd = [sys.executable, "-m", "cmf", "serve", str(model), "--port", "0", "--log-level", "warning",
            "--max-queue", "256", *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     assert proc.stderr is not None
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
@@ -66,95 +78,17 @@ def start_server(model: Path, extra: list[str]) -> tuple[subprocess.Popen, str, 
     raise RuntimeError("cmf serve did not start")
 
 
-# End-of-sequence ids pushed down with logit_bias so every answer runs to max_tokens on both servers
-# (llama-cpp-python has no ignore_eos); set by main() from the model's tokenizer.
-NO_EOS: dict[str, float] = {}
-
-
-def one_request(host: str, port: int, prompt: str, max_tokens: int) -> tuple[float, float, int, float]:
-    """One streaming chat request: (ttft s, total s, completion tokens, the engine's own decode t/s)."""
-    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "logit_bias": NO_EOS, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection(host, port, timeout=600)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
-    ttft = None
-    tokens = chunks = 0
-    engine_tps = 0.0
-    for raw in r:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
-            chunks += 1
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-        if obj.get("usage"):
-            tokens = obj["usage"]["completion_tokens"]
-        if obj.get("cmf"):
-            engine_tps = obj["cmf"].get("generation_tps", 0.0)
-    total = time.perf_counter() - t0
-    conn.close()
-    # a server without stream usage: one content chunk per token
-    return (ttft if ttft is not None else total), total, tokens or chunks, engine_tps
-
-
-def run_level(host: str, port: int, clients: int, per_client: int, texts: list[str],
-              max_tokens: int) -> dict[str, float]:
-    """``clients`` threads × ``per_client`` sequential requests; aggregate figures."""
-    results: list[tuple[float, float, int, float]] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        for j in range(per_client):
-            try:
-                res = one_request(host, port, texts[(i * per_client + j) % len(texts)], max_tokens)
-            except Exception as exc:  # noqa: BLE001 - counted and reported
-                with lock:
-                    errors.append(str(exc))
-                continue
-            with lock:
-                results.append(res)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    ttfts = sorted(r[0] for r in results)
-    tokens = sum(r[2] for r in results)
-    short = sum(1 for r in results if r[2] < max_tokens)  # answers cut before max_tokens
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-    return {"clients": clients, "requests": len(results), "errors": len(errors), "short": short, "wall": wall,
-            "rps": len(results) / wall, "tps": tokens / wall, "ttft_p50": pct(ttfts, 0.5),
-            "ttft_p99": pct(ttfts, 0.99), "latency_p50": statistics.median(r[1] for r in results) if results else 0,
-            "engine_tps": statistics.median(r[3] for r in results) if results else 0}
-
-
-def start_llama_server(gguf: Path, ctx: int) -> tuple[subprocess.Popen, str, int]:
-    """llama-cpp-python's OpenAI server on a free port (same thread count as the cores)."""
-    import socket
-
+def start_llama_server(gguf: Path, ctx: int, threads: int) -> tuple[subprocess.Popen, str, int]:
+    """llama-cpp-python's OpenAI server on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(ctx), "--n_threads", str(os.cpu_count() or 1), "--model_alias", "bench",
-           # its default lets each new request cut the running one short; queue them instead, as cmf does
+           "--n_ctx", str(ctx), "--n_threads", str(threads), "--model_alias", "bench",
+           # its default lets each new request cut the running one short; queue them instead
            "--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("llama_cpp.server exited at start")
@@ -169,46 +103,160 @@ def start_llama_server(gguf: Path, ctx: int) -> tuple[subprocess.Popen, str, int
     raise RuntimeError("llama_cpp.server did not start")
 
 
-def run_all(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[list]:
-    one_request(host, port, texts[0], 4)  # warm-up
-    rows = []
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(2)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# End-of-sequence ids pushed down with logit_bias so every answer runs to max_tokens on both servers
+# (llama-cpp-python has no ignore_eos); set by main() from the model's tokenizer.
+NO_EOS: dict[str, float] = {}
+
+
+def one_request(host: str, port: int, messages: list[dict], max_tokens: int,
+                greedy_eos: bool = False) -> dict[str, float]:
+    """One streaming chat request: ttft and total seconds, completion and cached tokens, the
+    answer, and the engine's own decode rate (cmf's ``generation_tps``)."""
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if not greedy_eos:
+        body["logit_bias"] = NO_EOS
+    conn = http.client.HTTPConnection(host, port, timeout=900)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    ttft = None
+    tokens = chunks = cached = 0
+    engine_tps = 0.0
+    text: list[str] = []
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+            chunks += 1
+            text.append(obj["choices"][0]["delta"]["content"])
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+        if obj.get("usage"):
+            tokens = obj["usage"]["completion_tokens"]
+            cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if obj.get("cmf"):
+            engine_tps = obj["cmf"].get("generation_tps", 0.0)
+    total = time.perf_counter() - t0
+    conn.close()
+    return {"ttft": ttft if ttft is not None else total, "total": total, "tokens": tokens or chunks,
+            "cached": cached, "engine_tps": engine_tps, "text": "".join(text)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_level(host: str, port: int, clients: int, per_client: int, texts: list[str],
+              max_tokens: int) -> dict[str, float]:
+    """``clients`` threads × ``per_client`` sequential requests; aggregate figures."""
+    results: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(i: int) -> None:
+        start.wait()
+        for j in range(per_client):
+            msg = [{"role": "user", "content": texts[(i * per_client + j) % len(texts)]}]
+            try:
+                res = one_request(host, port, msg, max_tokens)
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                results.append(res)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts = [r["ttft"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": len(errors), "wall": wall,
+            "short": sum(1 for r in results if r["tokens"] < max_tokens), "tps": tokens / wall,
+            "stream_tps": statistics.median(r["tokens"] / max(r["total"] - r["ttft"], 1e-9) for r in results)
+            if results else 0.0, "ttft_p50": _pct(ttfts, 0.5), "ttft_p99": _pct(ttfts, 0.99),
+            "engine_tps": statistics.median(r["engine_tps"] for r in results) if results else 0.0}
+
+
+def run_levels(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[dict]:
+    """Every level ``args.runs`` times; per level the run with the median aggregate rate."""
+    one_request(host, port, [{"role": "user", "content": texts[0]}], 8)  # warm-up
+    out = []
     for c in levels:
-        r = run_level(host, port, c, args.requests, texts, args.max_tokens)
-        print(json.dumps(r), file=sys.stderr)
-        rows.append([c, r["requests"], f"{r['errors']} / {r['short']}", f"{r['rps']:.2f}", f"{r['tps']:.1f}",
-                     f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
-                     f"{r['latency_p50'] * 1e3:.0f}", f"{r['engine_tps']:.0f}" if r["engine_tps"] else ""])
-    return rows
+        runs = [run_level(host, port, c, args.requests, texts, args.max_tokens) for _ in range(args.runs)]
+        for r in runs:
+            print(json.dumps(r), file=sys.stderr, flush=True)
+        out.append(sorted(runs, key=lambda r: r["tps"])[len(runs) // 2])
+    return out
 
 
-def runtime_reference(model: Path, prompt: str, max_tokens: int) -> float:
-    """Decode tokens/s of the runtime alone on one sequence (the ceiling for one client)."""
+def history_text(tokenizer, n_tokens: int, seed: int) -> str:
+    """About ``n_tokens`` of prose (the benchmark prompts, rotated by ``seed``, repeated)."""
+    words = ("The library keeps its index in a flat table of fixed records; a reader maps the file, checks "
+             "every record against the file size before it trusts an offset, and only then decodes the "
+             "names. Writers append and rename. ").split()
+    words = words[seed % len(words):] + words[:seed % len(words)]
+    text, i = "", 0
+    while len(tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
+        text += " ".join(words[i % len(words)] for i in range(i, i + 40)) + " "
+        i += 40
+    return text
+
+
+def run_turns(host: str, port: int, tokenizer, history: int, max_tokens: int, trials: int = 3) -> dict[str, float]:
+    """First and second turn of ``trials`` conversations on ~``history``-token texts."""
+    first, second, cached, prompt = [], [], [], []
+    for k in range(trials):
+        msgs = [{"role": "user", "content": history_text(tokenizer, history, 7 * k + 1) + "\n\n" + QUESTIONS[0]}]
+        a = one_request(host, port, msgs, max_tokens, greedy_eos=True)
+        msgs += [{"role": "assistant", "content": a["text"]}, {"role": "user", "content": QUESTIONS[1 + k % 3]}]
+        b = one_request(host, port, msgs, max_tokens, greedy_eos=True)
+        first.append(a["ttft"])
+        second.append(b["ttft"])
+        cached.append(b["cached"])
+    t1, t2 = statistics.median(first), statistics.median(second)
+    return {"first": t1, "second": t2, "ratio": t1 / t2 if t2 > 0 else float("nan"),
+            "cached": statistics.median(cached)}
+
+
+def reference(model_path: Path, n_gen: int, threads: int | None) -> float:
+    """``cmf bench``'s decode rate (tg``n_gen``, median of 5) on the same file."""
     import cmf
+    from cmf.tools.bench import bench
 
-    with cmf.load(model) as m:
-        list(m.stream(prompt, max_tokens=8, ignore_eos=True))  # compile and warm
-        rates = []
-        for _ in range(5):
-            last = None
-            for last in m.stream(prompt, max_tokens=max_tokens, ignore_eos=True):
-                pass
-            assert last is not None
-            rates.append(last.generation_tps)
-        return statistics.median(rates)
+    with cmf.load(model_path, threads=threads) as m:
+        res = bench(m, 0, n_gen, 5)
+    return statistics.median(res[0]["samples"])
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) the ``## server`` section of RESULTS.md, leaving other sections alone."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == "## server"), None)
-    section = f"## server\n\n{text}\n"
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + section + "".join(lines[end:])
-    RESULTS.write_text(new)
+def rows_of(levels: list[dict], ref: float) -> list[list]:
+    rows = []
+    for r in levels:
+        rows.append([r["clients"], r["requests"], f"{r['errors']} / {r['short']}", f"{r['tps']:.1f}",
+                     f"{r['stream_tps']:.1f}", f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
+                     f"{r['engine_tps']:.0f}" if r["engine_tps"] else "",
+                     f"{100 * r['tps'] / ref:.0f}%" if r["clients"] == 1 and ref else ""])
+    return rows
 
 
 def main() -> None:
@@ -216,84 +264,116 @@ def main() -> None:
     ap.add_argument("--models", default=str(Path(__file__).resolve().parents[2] / "shared" / "models"))
     ap.add_argument("--model", default=None, help="a .cmf to serve instead of converting models/base")
     ap.add_argument("--quant", default="q8")
-    ap.add_argument("--clients", default="1,4,16")
-    ap.add_argument("--requests", type=int, default=4, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (both servers; default all cores)")
+    ap.add_argument("--parallel", type=int, default=32, help="cmf serve --parallel")
+    ap.add_argument("--history", type=int, default=1000, help="tokens of the turn test's first prompt (0: skip)")
+    ap.add_argument("--runs", type=int, default=1, help="repetitions of each level (median reported)")
     ap.add_argument("--gguf", default=None, help="GGUF of the same model for llama_cpp.server")
-    ap.add_argument("--write", action="store_true", help="update the ## server section of RESULTS.md")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama_cpp.server")
+    ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
-    models = Path(args.models)
-    texts = prompts(models)
+    texts = prompts(Path(args.models))
     levels = [int(c) for c in args.clients.split(",")]
+    threads = args.threads or os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model = Path(args.model)
+            name = model.name
         else:
             from cmf.convert import convert
 
             model = Path(tmp) / f"base-{args.quant}.cmf"
-            convert(models / "base", model, quant=args.quant)
+            convert(Path(args.models) / "base", model, quant=args.quant)
+            name = f"../shared/models/base (Qwen3, 3.67M parameters) at {args.quant}"
         load_before = os.getloadavg()[0]
         import cmf
 
         with cmf.load(model) as m:
             NO_EOS.update({str(i): -100 for i in sorted(m.tokenizer.eos_ids)})
-        ref = runtime_reference(model, texts[0], args.max_tokens)
-        print(f"runtime alone: {ref:.1f} tokens/s decode", file=sys.stderr)
-        proc, host, port = start_server(model, ["--alias", "bench"])
+            tokenizer, ctx = m.tokenizer, m.ctx_size
+            tokenizer.encode("warm")
+        ref = reference(model, args.max_tokens, args.threads)
+        print(f"cmf bench tg{args.max_tokens}: {ref:.1f} tokens/s", file=sys.stderr, flush=True)
+        extra = ["--alias", "bench", "--parallel", str(args.parallel)] + (["-t", str(args.threads)] if args.threads else [])
+        proc, host, port = start_server(model, extra)
         try:
-            rows = run_all(host, port, levels, args, texts)
+            cmf_levels = run_levels(host, port, levels, args, texts)
+            turns = run_turns(host, port, tokenizer, args.history, 32) if args.history else None
         finally:
-            proc.send_signal(2)
+            stop(proc)
+        llama_levels: list[dict] = []
+        llama_turns = None
+        llama = "not run (--no-llama)"
+        if not args.no_llama:
             try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        llama_rows: list[list] = []
-        try:
-            import llama_cpp.server  # noqa: F401
+                import llama_cpp.server  # noqa: F401
 
-            gguf = Path(args.gguf) if args.gguf else Path(tmp) / "model-q8_0.gguf"
-            if not args.gguf:
-                from cmf.convert.gguf_export import export_gguf
+                gguf = Path(args.gguf) if args.gguf else Path(tmp) / "model-q8_0.gguf"
+                if not args.gguf:
+                    from cmf.convert.gguf_export import export_gguf
 
-                export_gguf(model, gguf, "Q8_0")
-            lproc, lhost, lport = start_llama_server(gguf, 2048)
-            try:
-                llama_rows = run_all(lhost, lport, levels, args, texts)
-                llama = f"GGUF Q8_0 exported by `cmf export --format gguf`, llama-cpp-python {llama_cpp.__version__}"
-            finally:
-                lproc.terminate()
-                lproc.wait(30)
-        except ImportError as exc:
-            llama = f"not run: llama_cpp.server is not importable here ({exc.name or exc})"
-        except Exception as exc:  # noqa: BLE001 - reported in the section instead
-            llama = f"not run: {exc}"
+                    export_gguf(model, gguf, "Q8_0")
+                lproc, lhost, lport = start_llama_server(gguf, min(ctx, 8192), threads)
+                try:
+                    llama_levels = run_levels(lhost, lport, levels, args, texts)
+                    llama_turns = run_turns(lhost, lport, tokenizer, args.history, 32) if args.history else None
+                    llama = (f"GGUF Q8_0 exported by `cmf export --format gguf`, llama-cpp-python "
+                             f"{llama_cpp.__version__}, --n_threads {threads}")
+                finally:
+                    lproc.terminate()
+                    lproc.wait(30)
+            except ImportError as exc:
+                llama = f"not run: llama_cpp.server is not importable here ({exc.name or exc})"
+            except Exception as exc:  # noqa: BLE001 - reported in the section instead
+                llama = f"not run: {exc}"
         load_after = os.getloadavg()[0]
-    numba_threads = os.environ.get("NUMBA_NUM_THREADS", "all cores")
-    headers = ["clients", "requests", "errors / short", "requests/s", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
-               "latency p50 (ms)", "engine t/s"]
-    text = (f"Run {datetime.date.today()} on {machine()} (`benchmarks/server.py --clients {args.clients} "
-            f"--requests {args.requests} --max-tokens {args.max_tokens}`); model: ../shared/models/base "
-            f"(Qwen3, 3.67M parameters) at {args.quant}; numba threads: {numba_threads}. Server and clients "
-            "share the machine. Streaming chat, greedy, end-of-sequence suppressed by logit_bias, every answer "
-            f"{args.max_tokens} tokens; TTFT = first content chunk as the client sees it (queueing included); "
-            "engine t/s = the decode rate the engine itself reports for each request (median), which "
-            "separates HTTP overhead from compute; short = answers that ended before max_tokens. "
-            "Load average (1 min) before/after: "
-            f"{load_before:.2f} / {load_after:.2f}.\n\n"
-            f"Runtime alone, one sequence, no HTTP: **{ref:.1f} tokens/s** decode (median of 5).\n\n"
-            "### cmf serve\n\n" + table(headers, rows)
-            + "\n\nThe engine runs one sequence at a time (requests queue; no batched decode yet), so "
-            "tokens/s stays at the single-stream rate while TTFT grows with the queue. The VM is shared: "
-            "runs under a load average of 3-7 from other jobs measured both servers 2-4x slower, so compare "
-            "figures within one run only.\n\n"
-            f"### llama_cpp.server\n\n{llama}.\n")
-    if llama_rows:
-        text += "\n" + table(headers, llama_rows) + "\n"
+    headers = ["clients", "requests", "errors / short", "aggregate t/s", "per-stream t/s", "TTFT p50 (ms)",
+               "TTFT p99 (ms)", "engine t/s", "vs cmf bench"]
+    text = (f"### {datetime.datetime.now():%Y-%m-%d %H:%M}, {machine()}\n\n"
+            f"`benchmarks/server.py --model {name} --clients {args.clients} --requests {args.requests} "
+            f"--max-tokens {args.max_tokens} --parallel {args.parallel} --history {args.history} --runs {args.runs}"
+            f"{f' --threads {args.threads}' if args.threads else ''}`; kernel threads: {threads}. Streaming chat, "
+            "greedy, end-of-sequence suppressed by logit_bias (every answer max-tokens long); the clients share "
+            "the machine. aggregate = completion tokens of all requests / wall time of the level; per-stream = "
+            "median of one answer's tokens / (its end − its first token); TTFT = first content chunk as the "
+            "client sees it (queueing included); engine t/s = the decode rate cmf reports per request. "
+            f"Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}.\n\n"
+            f"`cmf bench` tg{args.max_tokens} on the same file, this process, before the server: "
+            f"**{ref:.1f} tokens/s**.\n\n#### cmf serve --parallel {args.parallel}\n\n"
+            + table(headers, rows_of(cmf_levels, ref)) + "\n")
+    if turns:
+        text += (f"\nSecond chat turn on a ~{args.history}-token history (median of 3 conversations): first turn "
+                 f"TTFT {turns['first'] * 1e3:.0f} ms, second turn {turns['second'] * 1e3:.0f} ms "
+                 f"(**{turns['ratio']:.1f}× lower**; {turns['cached']:.0f} prompt tokens from the prefix cache).\n")
+    text += f"\n#### llama_cpp.server\n\n{llama}.\n"
+    if llama_levels:
+        text += "\n" + table(headers, rows_of(llama_levels, 0.0)) + "\n"
+    if llama_turns:
+        text += (f"\nSecond turn: first {llama_turns['first'] * 1e3:.0f} ms, second "
+                 f"{llama_turns['second'] * 1e3:.0f} ms ({llama_turns['ratio']:.1f}×).\n")
     print(text)
     if args.write:
-        write_section(text)
+        append_run(text)
+
+
+SECTION = "## server, continuous batching"
+
+
+def append_run(text: str) -> None:
+    """Add a dated run at the end of RESULTS.md's continuous-batching section (made if absent),
+    leaving the other sections, and earlier runs, alone."""
+    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
+    if start is None:
+        RESULTS.write_text(old.rstrip("\n") + f"\n\n{SECTION}\n\n" + text)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    body = "".join(lines[:end]).rstrip("\n") + "\n\n" + text
+    RESULTS.write_text(body + ("\n" + "".join(lines[end:]) if end < len(lines) else ""))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -388,6 +389,9 @@ def test_streamed_reply_equals_greedy_answer(page, served, tmp_path):
     history = [{"role": "user", "content": first}, {"role": "assistant", "content": expected},
                {"role": "user", "content": "and then\nwhat?"}]
     assert second["text"] == served.greedy(history, 24)
+    # the second turn's prompt starts with the first turn's: the server's prefix cache held it
+    cached = re.search(r"prompt ([\d,]+) tokens, ([\d,]+) cached", second["stats"])
+    assert cached and 0 < int(cached[2].replace(",", "")) < int(cached[1].replace(",", "")), second["stats"]
     shot = _screenshot_path(tmp_path)
     shot.parent.mkdir(parents=True, exist_ok=True)
     page.set_window_size(1280, 960)  # tall enough for the whole model panel

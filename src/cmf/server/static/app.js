@@ -519,6 +519,11 @@
     if (typeof stats.tokens === "number") parts.push(`${stats.tokens} tokens`);
     if (typeof stats.tps === "number" && isFinite(stats.tps)) parts.push(`${stats.tps.toFixed(1)} tok/s`);
     if (typeof stats.ttft_ms === "number") parts.push(`first token ${Math.round(stats.ttft_ms)} ms`);
+    // the prefix cache: prompt tokens whose KV the server kept from earlier turns
+    if (typeof stats.prompt === "number") {
+      const cached = typeof stats.cached === "number" ? stats.cached : 0;
+      parts.push(`prompt ${formatTokens(stats.prompt)} tokens, ${formatTokens(cached)} cached`);
+    }
     if (stats.finish) parts.push(`finish: ${stats.finish}`);
     if (typeof stats.capped === "number") parts.push(`max tokens capped at ${stats.capped} by the context`);
     if (stats.task) parts.push(`task: ${stats.task}`);
@@ -775,7 +780,12 @@
       paint();
       liveStats(tEnd);
       const stats = reply.stats;
-      if (usage) stats.tokens = usage.completion_tokens;
+      if (usage) {
+        stats.tokens = usage.completion_tokens;
+        stats.prompt = usage.prompt_tokens;
+        const details = usage.prompt_tokens_details;
+        if (details && typeof details.cached_tokens === "number") stats.cached = details.cached_tokens;
+      }
       if (cmf && typeof cmf.generation_tps === "number" && cmf.generation_tps > 0) stats.tps = cmf.generation_tps;
       else if (tFirst !== null && tEnd > tFirst) stats.tps = stats.tokens / ((tEnd - tFirst) / 1000);
       stats.finish = finish || (reply.error ? "error" : undefined);
