@@ -1,7 +1,7 @@
 """The HTTP surface: an ASGI app (Starlette) over an :class:`~cmf.server.engine.Engine`.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/tokenize`` (each ``/v1`` route also answers without the
+``POST /v1/completions``, ``POST /v1/tokenize``, ``POST /v1/embeddings`` (each ``/v1`` route also answers without the
 prefix, as llama.cpp's does). ``GET /`` and ``/static/…`` serve the web UI when the package ships one (``static/``
 beside this file, see :func:`create_app`).
 
@@ -26,6 +26,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
 from . import chat_route
+from . import embeddings as emb
 from . import schemas as S
 from .engine import Engine
 from .structured import Grammars
@@ -229,6 +230,9 @@ class _Api:
         # tools, structured output, reasoning and n > 1 live in chat_route
         return await chat_route.chat(self, request)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await emb.route(self, request)
+
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body)
         req = S.parse_completion(body, vocab=self.vocab)
@@ -351,6 +355,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, max
             Route(f"{prefix}/chat/completions", _endpoint(api.chat), methods=["POST"]),
             Route(f"{prefix}/completions", _endpoint(api.completions), methods=["POST"]),
             Route(f"{prefix}/tokenize", _endpoint(api.tokenize), methods=["POST"]),
+            Route(f"{prefix}/embeddings", _endpoint(api.embeddings), methods=["POST"]),
         ]
     if static_dir is not None and (Path(static_dir) / "index.html").is_file():
         from starlette.staticfiles import StaticFiles

@@ -45,9 +45,30 @@ def _lib() -> Any:
     return llguidance
 
 
+SAFE_INT = (-(2**53 - 1), 2**53 - 1)  # what every JSON parser (JavaScript included) reads exactly
+
+
+def bounded(schema: Any) -> Any:
+    """``schema`` with every unbounded integer held to ±(2**53 - 1), the range JSON parsers read
+    exactly: it keeps a small model from writing digits until its budget runs out."""
+    if isinstance(schema, list):
+        return [bounded(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("const", "enum", "default", "examples") else bounded(v)) for k, v in schema.items()}
+    t = out.get("type")
+    if t == "integer" or (isinstance(t, list) and "integer" in t):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = SAFE_INT[0]
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INT[1]
+    return out
+
+
 def json_schema_grammar(schema: Mapping[str, Any], param: str) -> str:
     """The llguidance grammar of a JSON schema; 400 naming ``param`` when it does not compile."""
     L = _lib()
+    schema = bounded(schema)
     try:
         # No free whitespace: a small model could otherwise fill its budget with blanks.
         return L.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides={"whitespace_flexible": False})

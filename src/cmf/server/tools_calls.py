@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .schemas import bad
-from .structured import check_schema
+from .structured import bounded, check_schema
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -160,9 +160,11 @@ def prepare(messages: list[dict[str, Any]], setup: ToolSetup | None, template: s
 def _call_schema(setup: ToolSetup, syntax: str) -> dict[str, Any]:
     names = [setup.named] if setup.named else list(setup.params)
     key = "parameters" if syntax == "llama3" else "arguments"
-    alts = [{"type": "object", "properties": {"name": {"const": n}, key: setup.params[n]},
+    alts = [{"type": "object", "properties": {"name": {"const": n}, key: bounded(setup.params[n])},
              "required": ["name", key], "additionalProperties": False} for n in names]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+    out = alts[0] if len(alts) == 1 else {"anyOf": alts}
+    # llguidance's option: no free whitespace (a small model could fill its budget with blanks)
+    return {**out, "x-guidance": {"whitespace_flexible": False}}
 
 
 def call_grammar(setup: ToolSetup, syntax: str, special: Callable[[str], int | None]) -> str:
