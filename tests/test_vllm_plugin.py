@@ -197,7 +197,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (BASE / "config.json").exists():
         pytest.skip(f"{BASE} is absent")
     out = tmp_path_factory.mktemp("dense") / "base.f32.cmf"
-    assert cli_main(["convert", str(BASE), "-o", str(out), "--quant", "f32"]) == 0
+    assert cli_main(["convert", "-m", str(BASE), "-o", str(out), "--quant", "f32"]) == 0
     return out
 
 
