@@ -392,7 +392,7 @@ BAD = [
      "invalid_value"),
     ("top_logprobs alone", "/v1/chat/completions", dict(_M, top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     ("n past the cap", "/v1/chat/completions", dict(_M, n=17), 400, "n", "invalid_value"),
-    ("completions n=2", "/v1/completions", {"prompt": "a", "n": 2}, 400, "n", "unsupported_value"),
+    ("completions n past the cap", "/v1/completions", {"prompt": "a", "n": 17}, 400, "n", "invalid_value"),
     ("cmf not object", "/v1/chat/completions", dict(_M, cmf="terse"), 400, "cmf", "invalid_type"),
     ("response_format type", "/v1/chat/completions", dict(_M, response_format={"type": "yaml"}), 400,
      "response_format.type", "invalid_value"),

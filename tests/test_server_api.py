@@ -207,6 +207,16 @@ def test_n_choices(client):
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
 
 
+def test_completions_n(client, server):
+    a = client.completions.create(model=MODEL_ID, prompt="hello", n=2, max_tokens=6, temperature=1.0, seed=3)
+    b = client.completions.create(model=MODEL_ID, prompt="hello", n=2, max_tokens=6, temperature=1.0, seed=3)
+    assert [c.index for c in a.choices] == [0, 1] and [c.text for c in a.choices] == [c.text for c in b.choices]
+    chunks = list(client.completions.create(model=MODEL_ID, prompt="hello", n=2, max_tokens=4, stream=True,
+                                            logprobs=1))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert any(c.choices[0].logprobs and c.choices[0].logprobs.tokens for c in chunks if c.choices)
+
+
 def test_streaming_logprobs(client):
     chunks = list(chat(client, max_tokens=6, stream=True, logprobs=True, top_logprobs=2))
     lps = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -275,3 +285,28 @@ def test_prepare_for_a_template_without_tools():
     assert "<tool_call>" in msgs[2]["content"] and msgs[3]["content"].startswith("<tool_response>")
     with pytest.raises(RequestError):
         T.parse_tools([{"type": "function", "function": {"name": "f", "parameters": []}}], None)
+
+
+# ----------------------------------------------------------------------------------- validation never crashes
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cmf.server import structured as G  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+                         st.sampled_from(["type", "function", "name", "parameters", "json_schema", "schema",
+                                          "value", "properties", "x"]), kids, max_size=3), max_leaves=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json, _json, _json, _json)
+def test_tool_and_format_validation_raises_only_request_errors(tools, choice, rf, grammar):
+    for fn, args in ((T.parse_tools, (tools, choice)), (G.response_format, (rf if isinstance(rf, dict) else None,)),
+                     (G.grammar_param, (grammar,))):
+        try:
+            fn(*args)
+        except RequestError as err:
+            assert err.status == 400 and err.param

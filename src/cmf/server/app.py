@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
-from . import chat_route
+from . import chat_route, completion_route
 from . import embeddings as emb
 from . import schemas as S
 from .engine import Engine
@@ -244,6 +244,9 @@ class _Api:
         else:
             prompt_text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         max_tokens = self._budget(len(ids), req.sampling.max_tokens, "prompt")
+        if req.n > 1:
+            return await completion_route.many(self, request, req, ids, prompt_text if req.echo else "",
+                                               (task, skill, blend), max_tokens)
         chan = Channel()
         want_lp = req.logprobs is not None
         job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=want_lp, top_logprobs=req.logprobs or 0,

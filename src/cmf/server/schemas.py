@@ -4,7 +4,7 @@ Requests are checked field by field before anything is queued: a wrong type, an 
 value or an unsupported option raises :class:`RequestError`, which carries the HTTP status and the
 OpenAI error fields (``message``, ``type``, ``param``, ``code``). Unknown fields are ignored, as
 OpenAI-compatible servers do, except the few whose silent omission would change the answer
-(``best_of`` > 1, ``suffix``, ``n`` > 1 on completions): those are refused. ``tools``,
+(``best_of`` > 1, ``suffix``): those are refused. ``tools``,
 ``tool_choice``, ``response_format`` and ``grammar`` are checked by ``tools_calls`` and
 ``structured`` (the chat request keeps the raw body for them).
 
@@ -221,6 +221,7 @@ class CompletionRequest:
     logprobs: int | None = None
     echo: bool = False
     selection: Selection = field(default_factory=Selection)
+    n: int = 1
 
 
 def _stop(body: Mapping[str, Any]) -> list[str]:
@@ -254,9 +255,7 @@ def _logit_bias(body: Mapping[str, Any], vocab: int) -> dict[int, float]:
 
 
 def _sampling(body: Mapping[str, Any], vocab: int, *, chat: bool) -> Sampling:
-    n = _int(body, "n", lo=1, hi=MAX_N, default=1)
-    if n != 1 and not chat:
-        raise bad(f"only n=1 is supported on completions, got n={n}", "n", "unsupported_value")
+    _int(body, "n", lo=1, hi=MAX_N, default=1)  # the request's own field (ChatRequest.n, CompletionRequest.n)
     best_of = _int(body, "best_of", default=1)
     if best_of != 1:
         raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
@@ -428,7 +427,8 @@ def parse_completion(body: Any, *, vocab: int) -> CompletionRequest:
     return CompletionRequest(model=model, prompt=prompt, sampling=_sampling(body, vocab, chat=False), stream=stream,
                              include_usage=include_usage,
                              logprobs=_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
-                             echo=_bool(body, "echo"), selection=_selection(body))
+                             echo=_bool(body, "echo"), selection=_selection(body),
+                             n=_int(body, "n", lo=1, hi=MAX_N, default=1))
 
 
 @dataclass

@@ -566,8 +566,23 @@
     error.textContent = message.error || "";
     error.hidden = !message.error;
     node.querySelector(".stats").textContent = statsText(message.stats);
+    renderToolCalls(node, message.tool_calls);
     node.classList.toggle("streaming", Boolean(message.pending));
     node.setAttribute("aria-busy", message.pending ? "true" : "false");
+  }
+
+  // One small block per tool call the model made: its name and its arguments (JSON text).
+  function renderToolCalls(node, calls) {
+    const list = node.querySelector(".tool-calls");
+    if (!list) return;
+    list.hidden = !(calls && calls.length);
+    list.replaceChildren(...(calls || []).map((call) => {
+      const item = document.createElement("pre");
+      item.className = "tool-call";
+      const fn = call.function || {};
+      item.textContent = `${fn.name || "?"}(${fn.arguments || ""})`;
+      return item;
+    }));
   }
 
   function renderConversation() {
@@ -755,6 +770,12 @@
                 paintScheduled = true;
                 requestAnimationFrame(paint);
               }
+            }
+            const calls = choice.delta && choice.delta.tool_calls;
+            if (calls) {
+              reply.tool_calls = reply.tool_calls || [];
+              for (const call of calls) reply.tool_calls[call.index || 0] = call;
+              updateMessageNode(node, reply);
             }
             if (choice.finish_reason) finish = choice.finish_reason;
           }
