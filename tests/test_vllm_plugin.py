@@ -288,3 +288,23 @@ def test_vllm_openai_server_answers_chat(dense: Path, tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_prepare_writes_redirect(tmp_path: Path) -> None:
+    from cmf.integrations.vllm.materialize import redirect_file
+
+    src = H.converted("qwen3")
+    folder = prepare(src, cache_dir=tmp_path)
+    table = json.loads(redirect_file(tmp_path).read_text())
+    assert table[str(src)] == table[str(src.resolve())] == str(folder)
+
+
+@needs_vllm
+def test_vllm_model_is_the_cmf_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After prepare(), `model="x.cmf"` resolves through the plugin's model redirect.
+    src = H.converted("qwen3")
+    monkeypatch.setenv("PYCMF_VLLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("VLLM_MODEL_REDIRECT_PATH", raising=False)
+    prepare(src)
+    got = run_vllm({"model": str(src), "load_format": "cmf", "ids": IDS, "n": 6})
+    assert got["tokens"][0] == cmf_greedy(src, IDS[0], 6)
