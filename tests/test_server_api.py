@@ -161,7 +161,8 @@ def test_malformed_definitions_are_400(server, body, param):
 
 def test_embeddings_refusals(server):
     for body, param in ((dict(input="a", dimensions=8), "dimensions"), (dict(input=[]), "input"),
-                        (dict(input="a", encoding_format="hex"), "encoding_format"), (dict(input=[[99999]]), "input[0]")):
+                        (dict(input="a", encoding_format="hex"), "encoding_format"),
+                        (dict(input=[[99999]]), "input[0]")):
         status, got = raw(server, "/v1/embeddings", dict(model=MODEL_ID, **body))
         assert status == 400 and got["error"]["param"] == param, got
 
@@ -227,6 +228,50 @@ def test_server_stays_up(client):
     assert chat(client, max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
+# ----------------------------------------------------------------------------------- a template that thinks
+
+THINKING_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}")
+FORCED = '<think>plan it</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("think")
+    hf = tiny_qwen3(root / "hf")
+    (hf / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    convert(hf, root / "t.cmf", quant="q8")
+    model = cmf.load(root / "t.cmf")
+    eng = Engine(model, max_queue=8)
+    with ServerThread(create_app(eng, model_id=MODEL_ID)) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    eng.close()
+    model.close()
+
+
+def test_reasoning_and_native_tool_template(thinking_client):
+    # the grammar makes the random model say what a thinking, calling model would
+    kw = dict(model=MODEL_ID, messages=HELLO, tools=TOOLS, max_tokens=200, temperature=0,
+              extra_body={"grammar": "start: " + json.dumps(FORCED)})
+    r = thinking_client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "plan it"
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
+    chunks = list(thinking_client.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "plan it"
+    assert not "".join(d.content or "" for d in deltas).strip()
+    assert [tc.function.name for d in deltas for tc in d.tool_calls or []] == ["add"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 # ----------------------------------------------------------------------------------- parsing units
 
 
@@ -279,7 +324,8 @@ def test_prepare_for_a_template_without_tools():
     setup = T.parse_tools(TOOLS, "auto")
     msgs, tools = T.prepare([{"role": "user", "content": "hi"},
                              {"role": "assistant", "content": "", "tool_calls": [
-                                 {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":1}'}}]},
+                                 {"id": "c1", "type": "function",
+                                  "function": {"name": "add", "arguments": '{"a":1}'}}]},
                              {"role": "tool", "content": "2", "tool_call_id": "c1"}], setup, "{{ messages }}")
     assert tools is None and "<tools>" in msgs[0]["content"] and "get_weather" in msgs[0]["content"]
     assert "<tool_call>" in msgs[2]["content"] and msgs[3]["content"].startswith("<tool_response>")

@@ -119,13 +119,6 @@ class _Api:
                         f"{requested} to generate)", "max_tokens", "context_length_exceeded")
         return requested
 
-    async def _chat_ids(self, req: S.ChatRequest) -> list[int]:
-        """The prompt ids of a chat request: its messages through the model's chat template."""
-        from ..runtime.generate import prompt_ids_for
-
-        return await run_in_threadpool(prompt_ids_for, self.model, req.messages, tools=req.tools,
-                                       thinking=req.thinking)
-
     async def _completion_ids(self, req: S.CompletionRequest) -> list[int]:
         """The prompt ids of a completion request: its ids, or its text with the special tokens."""
         if isinstance(req.prompt, str):
@@ -223,7 +216,10 @@ class _Api:
         parsed = S.parse_tokenize(body, vocab=self.vocab)
         req = parsed.request
         self._check_model(req.model)
-        ids = await (self._chat_ids(req) if isinstance(req, S.ChatRequest) else self._completion_ids(req))
+        if isinstance(req, S.ChatRequest):  # the chat route's own prompt (tools described, calls as text)
+            ids = (await chat_route.plan(self, req)).ids
+        else:
+            ids = await self._completion_ids(req)
         return JSONResponse(S.tokenize_result(self.model_id, ids, self.model.ctx_size, return_ids=parsed.return_ids))
 
     async def chat(self, request: Request) -> Response:

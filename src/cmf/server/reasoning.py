@@ -1,7 +1,8 @@
 """Reasoning split off the answer: ``<think>...</think>`` becomes ``reasoning_content``.
 
 Applies to templates that think (their text names ``<think>``). A template may open the block in
-the prompt (``opened``): the answer is then reasoning up to ``</think>``. Streaming holds back a tail that could be a tag's beginning.
+the prompt (``opened``): the answer is then reasoning up to ``</think>``. Streaming holds back
+a tail that could be a tag's beginning.
 """
 
 from __future__ import annotations

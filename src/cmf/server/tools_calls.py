@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from .schemas import bad
 from .structured import bounded, check_schema
@@ -50,7 +50,8 @@ def parse_tools(tools: Any, tool_choice: Any) -> ToolSetup | None:
     params: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(t.get("function"), dict):
             raise bad(f"'{p}' must be {{\"type\": \"function\", \"function\": {{...}}}}", p, "invalid_type")
         fn = t["function"]
         name = fn.get("name")
@@ -132,8 +133,9 @@ def prepare(messages: list[dict[str, Any]], setup: ToolSetup | None, template: s
                                                                      "arguments": _args_obj(c.get("arguments"))},
                                     **{k: v for k, v in c.items() if k == "id"}} for c in calls]
             else:
-                blocks = "".join(f"<tool_call>\n{json.dumps({'name': c.get('name'), 'arguments': _args_obj(c.get('arguments'))})}"
-                                 "\n</tool_call>" for c in calls)
+                blocks = "".join("<tool_call>\n" + json.dumps({"name": c.get("name"),
+                                                                "arguments": _args_obj(c.get("arguments"))})
+                                 + "\n</tool_call>" for c in calls)
                 m["content"] = (m.get("content") or "") + blocks
                 m.pop("tool_calls")
         if m["role"] == "tool" and not native:
