@@ -185,6 +185,19 @@ def test_embeddings_shape_determinism_and_batching(client):
     assert len(ids) == 64
 
 
+def test_embeddings_between_decode_steps(client):
+    """A vector computed while a generation runs equals the idle one, and the generation goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    idle = client.embeddings.create(model=MODEL_ID, input="hello model").data[0].embedding
+    alone = chat(client, max_tokens=40, extra_body={"ignore_eos": True})
+    with ThreadPoolExecutor(2) as pool:
+        gen = pool.submit(chat, client, max_tokens=40, extra_body={"ignore_eos": True})
+        busy = [client.embeddings.create(model=MODEL_ID, input="hello model").data[0].embedding for _ in range(3)]
+        assert gen.result().choices[0].message.content == alone.choices[0].message.content
+    assert all(b == idle for b in busy)
+
+
 def test_embeddings_base64(server):
     status, got = raw(server, "/v1/embeddings", dict(model=MODEL_ID, input="hello model", encoding_format="base64"))
     assert status == 200

@@ -139,6 +139,8 @@ async def chat(api: "_Api", request: Request) -> Response:
     sel = api._selection(req.selection)
     p = await plan(api, req)
     max_tokens = api._budget(len(p.ids), req.sampling.max_tokens, "messages")
+    if p.constraint is not None:  # the first one builds llguidance's tokenizer (seconds for a large vocab)
+        await run_in_threadpool(api.grammars.lltokenizer)
     chan = Channel()
     jobs = _jobs(api, req, p, sel, max_tokens, chan)
     for j in jobs:
