@@ -123,6 +123,59 @@ def test_batched_decode_logits_do_not_depend_on_the_batch(model_path, task, skil
         model.close()
 
 
+@pytest.fixture(scope="module")
+def matrices(tmp_path_factory):
+    """One file with matrices of the batch-exact families (and one 4-bit) at a few shapes."""
+    import cmf.quant as q
+    from cmf.format.reader import open as cmf_open
+    from cmf.format.writer import CmfWriter
+
+    from _builders import header
+
+    path = tmp_path_factory.mktemp("batch-kernels") / "m.cmf"
+    rng = np.random.default_rng(2)
+    with CmfWriter(path, header()) as w:
+        for rows, cols in ((200, 96), (64, 64), (576, 1024)):
+            for dt in ("f32", "f16", "bf16", "q8_row", "q8_2f", "q4_tiled"):
+                for k in range(2):  # two of each: a gate/up pair
+                    m = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+                    w.add(f"{dt}.{rows}x{cols}.{k}", dt, m.shape, q.encode(m, dt))
+        odd = (rng.standard_normal((37, 50)) * 0.05).astype(np.float32)  # f32 rows of 50: a scalar tail
+        w.add("f32.37x50.0", "f32", odd.shape, q.encode(odd, "f32"))
+    f = cmf_open(path)
+    yield f
+    f.close()
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_batch_group_rows_equal_the_one_token_products(matrices, paired):
+    from cmf.kernels import prepare
+    from cmf.kernels.gemv import MatvecGroup
+    from cmf.kernels.gemv_batch import BatchGroup
+
+    rng = np.random.default_rng(4)
+    names = sorted({n.rsplit(".", 1)[0] for n in matrices.keys()})
+    for base in names:
+        ops = [prepare(matrices.tensor(f"{base}.{k}")) for k in range(2) if f"{base}.{k}" in matrices]
+        for group, act in ((ops[:1], None), (ops, "silu") if len(ops) == 2 else (ops[:1], None)):
+            bg = BatchGroup(group, act)
+            if not paired:
+                bg.paired = False
+            one = MatvecGroup(group, act)
+            for t in (1, 2, 3, 7):
+                X = rng.standard_normal((t, group[0].in_features)).astype(np.float32)
+                Y = bg(X)
+                for r in range(t):
+                    y = one(X[r:r + 1], np.empty((1, one.out_features), np.float32))[0]
+                    if bg.direct:  # q8, f16/bf16, f32: bit for bit
+                        assert np.array_equal(y, Y[r]), (base, act, t, r)
+                    else:
+                        assert np.max(np.abs(y - Y[r])) <= 1e-5 * max(1.0, float(np.abs(y).max())), (base, t)
+            if paired and bg.direct and group[0].in_features % 16 == 0:
+                # (rows whose length leaves a scalar tail may fall back: the check decides)
+                assert bg.paired, f"{base}: the paired kernel fell back on this CPU"
+
+
 # ----------------------------------------------------------------------------------- batching
 
 

@@ -18,7 +18,6 @@ per sequence.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Sequence
 
 import numba
@@ -92,7 +91,6 @@ class BatchDecoder:
     def __init__(self, model) -> None:  # noqa: ANN001 - a runtime.model.Model
         self.model = model
         self._rope: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
-        self._ops: "weakref.WeakKeyDictionary[Block, _LayerOps]" = weakref.WeakKeyDictionary()
         self._head: BatchGroup | None = None
 
     def _cos_sin(self, profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
@@ -151,9 +149,9 @@ class BatchDecoder:
 
     # -- one layer ---------------------------------------------------------------------------------
     def _layer(self, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int) -> np.ndarray:
-        ops = self._ops.get(block)
+        ops = getattr(block, "_batch_ops", None)  # made once per block (a skill switch makes new blocks)
         if ops is None:
-            ops = self._ops[block] = _LayerOps(block)
+            ops = block._batch_ops = _LayerOps(block)
         eps = block.eps
         h = _norm(x, block.n_in, eps)
         if ops.attn:
