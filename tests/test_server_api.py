@@ -319,6 +319,13 @@ def test_syntax_of_templates():
     assert T.syntax_of(None) == "hermes"
 
 
+def test_call_grammar_names_a_marker_token():
+    setup = T.parse_tools(TOOLS, "required")
+    g = T.call_grammar(setup, "hermes", {"<tool_call>": 7, "</tool_call>": 8}.get)
+    assert g.startswith("start: <[7]>") and "<[8]>" in g and "%json" in g
+    assert '"\\n"' not in T.call_grammar(setup, "mistral", lambda t: None)
+
+
 def test_call_stream_holds_calls():
     s = T.CallStream("hermes", forced=False)
     out = s.feed("Sure. <tool") + s.feed('_call>{"name": "f", "arguments": {}}</tool_call>')

@@ -83,9 +83,10 @@ async def plan(api: "_Api", req: S.ChatRequest) -> Plan:
         tok = api.engine.tokenizer
 
         def special(text: str) -> int | None:
+            # a marker that is one added token (Qwen's <tool_call>, Mistral's [TOOL_CALLS]): the
+            # grammar names that token, which llguidance would not let plain text spell
             tid = tok.token_to_id(text)
-            return tid if tid is not None and tok.encode(text, add_special_tokens=False) == [tid] and \
-                tok.decode([tid], skip_special_tokens=True) != text else None
+            return tid if tid is not None and tok.encode(text, add_special_tokens=False) == [tid] else None
 
         constraint = G.Constraint(G.lark_grammar(T.call_grammar(setup, syntax, special), "tools"), "tools")
     else:

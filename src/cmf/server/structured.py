@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
-class GrammarUnavailable(RuntimeError):
-    """llguidance is not installed (the ``server`` extra brings it)."""
+class GrammarUnavailable(RequestError):
+    """llguidance is not installed (the ``server`` extra brings it): the request is refused."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, code="unsupported_value")
 
 
 @dataclass
