@@ -11,30 +11,28 @@ import logging
 from typing import Any, Hashable
 
 from ..runtime.routing import BLEND_ROUTE_TOKENS, auto_blend, normalize_blend
+from ..runtime.task_masks import NO_TASK, resolve_task
 
 log = logging.getLogger(__name__)
 
 Key = tuple  # (task, skill, blend as sorted (id or "none", weight) pairs, or None)
 
 
-def default_task(model: Any) -> str | None:
-    """The task ``select(task=None)`` activates: the file's default, or None without masks."""
-    masks = model.file.masks
-    return masks.default_task if masks is not None else None
-
-
 def needs_routing(job: Any) -> bool:
     return job.skill == "auto" or job.blend == "auto"
 
 
-def task_of(model: Any, job: Any) -> str | None:
-    return job.task if job.task is not None else default_task(model)
+def task_of(model: Any, job: Any, skill: str | None = None) -> str:
+    """The task mask ``job`` runs under ``skill``: its own, or the file's default rule (the skill's
+    ``input_mask_task``, the default task, ...); :data:`NO_TASK` when it runs unmasked. Resolved
+    here so that requests asking the same thing in other words share a key."""
+    task = resolve_task(model.file, job.task, skill)
+    return task if task is not None else NO_TASK
 
 
 def resolve(model: Any, job: Any) -> tuple[Key, Any]:
-    """(key, routing.Route or None) of ``job``. An ``auto`` job is routed now, under its task mask,
-    which the caller must have active (see :func:`select`)."""
-    task = task_of(model, job)
+    """(key, routing.Route or None) of ``job``. An ``auto`` job is routed now, under the task mask
+    it has without a skill, which the caller must have active (see :func:`select_task`)."""
     route = None
     if job.blend == "auto":
         route = model.route(job.route_prompt, max_tokens=BLEND_ROUTE_TOKENS)
@@ -51,6 +49,7 @@ def resolve(model: Any, job: Any) -> tuple[Key, Any]:
             skill = route.winner
         elif skill == "none":
             skill = None
+    task = task_of(model, job, skill)
     if blend is not None:
         pairs = tuple(sorted(("none" if k is None else k, float(w)) for k, w in blend.items()))
         return (task, None, pairs), route
@@ -68,9 +67,9 @@ def select(model: Any, key: Key) -> dict[str, Any]:
     return current(model)
 
 
-def select_task(model: Any, task: str | None) -> None:
-    """Activate ``task`` keeping the skill (routing runs under the request's task mask)."""
-    model.select(task=task)
+def select_task(model: Any, task: str) -> None:
+    """Activate ``task`` (a name or NO_TASK) on the backbone: routing runs under the request's mask."""
+    model.select(task=task, skill=None)
 
 
 def current(model: Any) -> dict[str, Any]:
