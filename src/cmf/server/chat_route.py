@@ -207,6 +207,18 @@ async def _whole(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, job
     return JSONResponse(body)
 
 
+def _merged(evs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Adjacent text deltas of one choice merged (one SSE frame for the tokens of a wake-up)."""
+    out: list[tuple[int, Any]] = []
+    for i, ev in evs:
+        if isinstance(ev, Delta) and out and out[-1][0] == i and isinstance(out[-1][1], Delta):
+            prev = out[-1][1]
+            out[-1] = (i, Delta(prev.text + ev.text, prev.logprobs + ev.logprobs))
+        else:
+            out.append((i, ev))
+    return out
+
+
 def _total(fins: list[Finished]) -> Finished:
     """The request's usage: the prompt once, the completions of every choice."""
     f = fins[0]
@@ -225,6 +237,7 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
         c.reason = R.ReasoningStream(p.opened) if p.thinks else None
         c.calls = T.CallStream(p.syntax, p.tools.forced) if p.tools is not None else None
     yield "".join(mk(c.index, {"role": "assistant", "content": ""}) for c in choices)
+    plain = S.ContentFrames(rid, created, api.model_id, with_usage_field=req.include_usage)
 
     def text_frames(c: Choice, text: str, lps: list, final: bool = False) -> list[str]:
         frames: list[str] = []
@@ -238,14 +251,17 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
             frames.append(mk(c.index, {"reasoning_content": reasoning}))
         if c.calls is not None:
             text = c.calls.feed(text)
-        if text or lps:
-            frames.append(mk(c.index, {"content": text}, logprobs=lps if req.logprobs else None))
+        if lps and req.logprobs:
+            frames.append(mk(c.index, {"content": text}, logprobs=lps))
+        elif text:
+            # the plain case: one string template per frame, not a dict dumped per token
+            frames.append(plain(text) if c.index == 0 else mk(c.index, {"content": text}))
         return frames
 
     try:
         async for evs in _events(chan, choices):
             frames: list[str] = []
-            for i, ev in evs:
+            for i, ev in _merged(evs):
                 c = choices[i]
                 if isinstance(ev, Delta):
                     frames += text_frames(c, ev.text, ev.logprobs)
