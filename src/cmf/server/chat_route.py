@@ -250,7 +250,8 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
         if reasoning:
             frames.append(mk(c.index, {"reasoning_content": reasoning}))
         if c.calls is not None:
-            text = c.calls.feed(text)
+            text, deltas = c.calls.feed(text)
+            frames += [mk(c.index, {"tool_calls": [d]}) for d in deltas]
         if lps and req.logprobs:
             frames.append(mk(c.index, {"content": text}, logprobs=lps))
         elif text:
@@ -274,12 +275,11 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
                     frames += text_frames(c, "", [], final=True)
                     reason = ev.finish_reason
                     if c.calls is not None:
-                        rest, calls = c.calls.finish()
+                        rest, deltas = c.calls.finish()
                         if rest:
                             frames.append(mk(i, {"content": rest}))
-                        for k, call in enumerate(calls):
-                            frames.append(mk(i, {"tool_calls": [{"index": k, **call}]}))
-                        if calls:
+                        frames += [mk(i, {"tool_calls": [d]}) for d in deltas]
+                        if c.calls.count or deltas:
                             reason = "tool_calls"
                     frames.append(mk(i, {}, finish_reason=reason, extra=api._extra(ev)))
             if frames:

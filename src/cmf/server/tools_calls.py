@@ -252,10 +252,16 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[dict[str, Any]]]:
     return (lead + rest).strip(), calls
 
 
+# A call's opening in any syntax, up to where its arguments' JSON begins (name first, as the
+# templates and the forced grammar write it).
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
 class CallStream:
-    """Streams an answer's content while holding back what may be a tool call, which comes out
-    parsed at the end: :meth:`feed` returns the content safe to send now, :meth:`finish` the rest
-    of the content and the calls."""
+    """Streams an answer's content while holding back what may be a tool call. Once a call opens,
+    its id and name go out, then its arguments as they come (OpenAI's ``delta.tool_calls``):
+    :meth:`feed` returns ``(content, call deltas)`` safe to send now, :meth:`finish` the rest of
+    the content and the deltas of calls the incremental reading missed (parsed whole)."""
 
     def __init__(self, syntax: str, forced: bool) -> None:
         self.syntax = syntax
@@ -263,33 +269,85 @@ class CallStream:
         self.held = ""
         self.in_call = forced
         self.started = False  # any non-blank text seen
+        self.pos = 0  # how far into `held` the calls have been read
+        self.open: dict[str, Any] | None = None  # the call whose arguments are streaming
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.count = 0  # calls opened so far (their indexes)
+        self.complete = 0  # calls whose arguments closed
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self.held += text
         if self.in_call:
-            return ""
+            return "", self._calls()
         if not self.started:
             lead = self.held.lstrip()
             if not lead:
-                return ""
+                return "", []
             self.started = True
             # Llama 3 and Mistral (whose marker may be a skipped special token) open a call bare.
             if self.syntax in ("llama3", "mistral") and lead[0] in "{[":
                 self.in_call = True
-                return ""
+                return "", self._calls()
         at = self.held.find(self.marker)
         if at >= 0:
             out, self.held = self.held[:at], self.held[at:]
             self.in_call = True
-            return out
+            return out, self._calls()
         # keep a tail that could be the marker's beginning
         keep = next((k for k in range(min(len(self.marker) - 1, len(self.held)), 0, -1)
                      if self.marker.startswith(self.held[-k:])), 0)
         out = self.held[:len(self.held) - keep]
         self.held = self.held[len(self.held) - keep:]
-        return out
+        return out, []
+
+    def _calls(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            if self.open is None:
+                m = _HEAD.search(self.held, self.pos)
+                if m is None:
+                    return out
+                self.open = new_call(json.loads(f'"{m.group(1)}"'), "")
+                out.append({"index": self.count, **self.open})
+                self.count += 1
+                self.pos = m.end()
+                self.depth, self.in_str, self.esc = 0, False, False
+            start = self.pos
+            done = False
+            for j in range(start, len(self.held)):  # the arguments' JSON, read to its closing brace
+                ch = self.held[j]
+                if self.in_str:
+                    if self.esc:
+                        self.esc = False
+                    elif ch == "\\":
+                        self.esc = True
+                    elif ch == '"':
+                        self.in_str = False
+                    continue
+                if ch == '"':
+                    self.in_str = True
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in "}]":
+                    self.depth -= 1
+                    if self.depth == 0:
+                        self.pos, done = j + 1, True
+                        break
+            else:
+                self.pos = len(self.held)
+            piece = self.held[start:self.pos]
+            if piece:
+                out.append({"index": self.count - 1, "function": {"arguments": piece}})
+            if not done:
+                return out
+            self.open = None
+            self.complete += 1
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         content, calls = parse_calls(self.held, self.syntax)
         self.held = ""
-        return content, calls
+        if self.count:  # streamed already: only what the incremental reading did not see
+            return ("" if calls else content), [{"index": self.count + k, **c}
+                                                for k, c in enumerate(calls[self.count:])]
+        return content, [{"index": k, **c} for k, c in enumerate(calls)]
