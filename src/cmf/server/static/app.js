@@ -774,7 +774,13 @@
             const calls = choice.delta && choice.delta.tool_calls;
             if (calls) {
               reply.tool_calls = reply.tool_calls || [];
-              for (const call of calls) reply.tool_calls[call.index || 0] = call;
+              for (const call of calls) {  // the first delta of a call names it; later ones add arguments
+                const at = call.index || 0;
+                const known = reply.tool_calls[at];
+                const fn = call.function || {};
+                if (known) known.function.arguments += fn.arguments || "";
+                else reply.tool_calls[at] = {id: call.id, function: {name: fn.name, arguments: fn.arguments || ""}};
+              }
               updateMessageNode(node, reply);
             }
             if (choice.finish_reason) finish = choice.finish_reason;
