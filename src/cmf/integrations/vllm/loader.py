@@ -75,8 +75,13 @@ class CmfModelLoader(BaseModelLoader):
         t0 = time.perf_counter()
         loaded = model.load_weights(self.iter_weights(model_config, model_config.dtype))
         if loaded is not None:
-            # Parameters the file did not fill would be served as random init: say which.
-            missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
+            # Parameters the file did not fill would be served as random init: say which. As vLLM's
+            # own loader does for unquantized models, parameters of modules whose quant method makes
+            # them after loading (KV-cache scales, ...) are not expected from a checkpoint.
+            exempt = {f"{m}.{p}" if m else p for m, mod in model.named_modules()
+                      if getattr(getattr(mod, "quant_method", None), "process_weights_after_loading", None)
+                      for p, _ in mod.named_parameters()}
+            missing = sorted({n for n, _ in model.named_parameters()} - set(loaded) - exempt)
             if missing:
                 raise ValueError(f"cmf load format: {len(missing)} parameter(s) not in the file, e.g. "
                                  f"{', '.join(missing[:5])}")

@@ -28,7 +28,6 @@ from .errors import StaleFolder, UnsupportedSelection
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "cmf_source.json"
-REDIRECT_FILE = "redirect.json"  # {CMF path as given / absolute / resolved: folder}, vLLM's model redirect
 FORMAT_VERSION = 1  # bump when the folder's contents change, so older folders are rebuilt
 
 
@@ -114,37 +113,7 @@ def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("%s: vLLM folder %s", path, folder)
-    _add_redirect(root, path, folder)
     return folder
-
-
-def _add_redirect(root: Path, path: str | os.PathLike[str], folder: Path) -> None:
-    """Map ``path`` (as given, absolute, resolved) to ``folder`` in ``root/redirect.json``.
-
-    vLLM reads such a file through ``VLLM_MODEL_REDIRECT_PATH`` (the plugin sets it when unset), so
-    ``model="model.cmf"`` resolves to the folder once the file was prepared. Read-modify-write with
-    an atomic replace: two prepares racing may drop one entry, which the next prepare restores.
-    """
-    red = root / REDIRECT_FILE
-    try:
-        table = json.loads(red.read_text(encoding="utf-8"))
-        if not isinstance(table, dict):
-            table = {}
-    except (OSError, ValueError):
-        table = {}
-    keys = {str(path), str(Path(path).absolute()), str(Path(path).resolve())}
-    if all(table.get(k) == str(folder) for k in keys):
-        return
-    table.update({k: str(folder) for k in keys})
-    fd, tmp = tempfile.mkstemp(prefix=".redirect-", dir=root)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(table, fh, indent=1)
-    os.replace(tmp, red)
-
-
-def redirect_file(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The model-redirect table :func:`prepare` keeps (it may not exist yet)."""
-    return (Path(cache_dir) if cache_dir is not None else cache_root()) / REDIRECT_FILE
 
 
 def read_source(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ function is never called; importing this module needs nothing beyond pycmf.
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +20,6 @@ def register() -> None:
     if _done:
         return
     from . import loader  # noqa: F401  # the @register_model_loader decorator runs on import
-    from .materialize import redirect_file
 
-    # vLLM loads plugins in EngineArgs before it builds ModelConfig, which applies
-    # VLLM_MODEL_REDIRECT_PATH: pointing it at prepare()'s table lets `model="model.cmf"` resolve
-    # to the materialised folder. A redirect the user set is left alone.
-    red = redirect_file()
-    if "VLLM_MODEL_REDIRECT_PATH" not in os.environ and red.is_file():
-        os.environ["VLLM_MODEL_REDIRECT_PATH"] = str(red)
-        log.info("cmf: VLLM_MODEL_REDIRECT_PATH=%s (prepared .cmf paths resolve to their folders)", red)
     _done = True
     log.debug("cmf: vLLM load format %r registered", loader.LOAD_FORMAT)
