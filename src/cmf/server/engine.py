@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numba
 import numpy as np
 
-from ..runtime.batched import bytes_per_token, cache_nbytes, decoder, reserve
+from ..runtime.batched import bytes_per_token, cache_nbytes, can_cut, clone_prefix, decoder, reserve
 from ..runtime.generate import generate_step
 from ..runtime.speculative import SpecStats
 from . import selection
@@ -415,6 +415,8 @@ class Engine:
             self._spec_token(s)
         budget = self.prefill_chunk
         for s in [s for s in self._running if s.driver is None and s.prefilling]:
+            if s.cache.pos == 0 and s.pending is None and not s.preempted:
+                self._late_take(s)
             n = min(self.prefill_chunk, self.model.batch_size, s.target - s.cache.pos)
             if budget < self.prefill_chunk and n > budget:
                 break  # its next chunk waits for the next iteration: chunks never depend on the batch
@@ -446,7 +448,19 @@ class Engine:
             return
         s.t_prefill_end = time.perf_counter()
         if s.pending is None:  # a new prompt: its first token (a resumed one decodes on with its own)
+            if self.prefix.enabled and not s.preempted and can_cut(s.cache, s.cache.pos):
+                # the prompt's KV for the requests that arrive meanwhile (a shared system prompt);
+                # the finished sequence's longer cache replaces it
+                self.prefix.put(s.key, s.tokens, clone_prefix(s.cache, s.cache.pos))
             self._take(s, logits[-1])
+
+    def _late_take(self, s: Sequence) -> None:
+        """A prompt about to be prefilled takes what the prefix cache holds now: prompts that came
+        in together find the earlier ones' prefixes (the take at admission found none then)."""
+        cache, n, _ = self.prefix.take(s.key, s.tokens, s.target - 1, reserve=s.target + RESERVE_AHEAD)
+        if cache is not None:
+            reserve(cache, s.target - n + min(s.remaining, RESERVE_AHEAD))
+            s.cache, s.cached_tokens = cache, n
 
     def _take(self, s: Sequence, logits: np.ndarray) -> None:
         """Choose and emit the next token of ``s`` from its last position's logits."""
