@@ -61,6 +61,8 @@ class Sequence:
         self.t_start = self.t_first = self.t_last = 0.0
         self.t_prefill_end = 0.0
         self.preempted = 0
+        self.kv_mark: tuple = ()  # (cache, first layer's array) when kv_bytes was counted
+        self.kv_bytes = 0
 
     # -- state ------------------------------------------------------------------------------------
     @property
