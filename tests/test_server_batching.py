@@ -367,6 +367,35 @@ def test_kv_budget_preempts_and_resumes(model_path):
         _close(*parts)
 
 
+def test_channel_hands_over_at_most_once_per_interval():
+    """The first event goes out at once; later ones wait for the interval and go out together."""
+    import asyncio
+    import threading
+
+    from cmf.server.plumbing import Channel
+
+    async def main() -> list[tuple[float, list]]:
+        chan = Channel(interval=0.2)
+        t0 = time.perf_counter()
+
+        def worker() -> None:
+            chan.put("a")
+            time.sleep(0.02)
+            chan.put("b")
+            chan.put("c")
+
+        threading.Thread(target=worker).start()
+        got = []
+        while sum(len(g) for _, g in got) < 3:
+            evs = await chan.get()
+            got.append((time.perf_counter() - t0, evs))
+        return got
+
+    got = asyncio.run(main())
+    assert got[0][1] == ["a"] and got[0][0] < 0.15
+    assert [e for _, g in got[1:] for e in g] == ["b", "c"] and got[1][0] >= 0.19
+
+
 def test_health_reports_the_engine(served):
     model, eng, srv = served
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)

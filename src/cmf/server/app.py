@@ -31,7 +31,8 @@ from . import schemas as S
 from .engine import Engine
 from .structured import Grammars
 from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
-from .plumbing import Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response, read_json, sse
+from .plumbing import (STREAM_INTERVAL, Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
+                       read_json, sse)
 
 __all__ = ["create_app", "ServerThread", "bind"]
 
@@ -338,12 +339,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               static_dir: Path | None = STATIC_DIR) -> ASGIApp:
+               static_dir: Path | None = STATIC_DIR, stream_interval: float = STREAM_INTERVAL) -> ASGIApp:
     """The ASGI app serving ``engine``'s model as ``model_id``.
 
     ``api_key``: require ``Authorization: Bearer <key>`` on the API routes. ``max_body``: the
     request body cap in bytes (413 past it). ``static_dir``: when it holds ``index.html``, ``GET /``
     serves that page and ``/static/…`` the folder (the web UI's hook); otherwise ``/`` is a 404.
+    ``stream_interval``: seconds between two writes of one stream (tokens generated meanwhile go
+    out together; the first is sent at once; 0: every token as it comes).
     """
     api = _Api(engine, model_id, max_body)
     routes: list[Any] = [Route("/health", _endpoint(api.health), methods=["GET"])]
@@ -367,4 +370,4 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, max
         routes += [Route("/", page, methods=["GET"]), Mount("/static", StaticFiles(directory=str(static_dir)))]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.engine = engine
-    return Guard(app, api_key)
+    return Guard(app, api_key, stream_interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import hmac
 import json
 import logging
@@ -32,18 +33,30 @@ def error_response(err: S.RequestError, headers: dict[str, str] | None = None) -
     return JSONResponse(err.body(), status_code=err.status, headers=headers or err.headers)
 
 
+# Seconds between two hand-overs of one request's events (its SSE writes): tokens generated
+# meanwhile go out in one write. The first is immediate. Set per app (create_app's
+# stream_interval) through the request's context, read when a route makes its Channel.
+STREAM_INTERVAL = 0.01
+_interval: contextvars.ContextVar[float] = contextvars.ContextVar("cmf_stream_interval", default=STREAM_INTERVAL)
+
+
 class Channel:
     """Hands engine events (worker thread) to the request's coroutine (event-loop thread).
 
     The worker appends to a deque and wakes the loop only when no wake-up is pending, so a loop
     that is behind takes every event that arrived meanwhile in one go (one SSE write for several
-    tokens) instead of one scheduled callback and one write per token."""
+    tokens) instead of one scheduled callback and one write per token. Hand-overs are at least
+    ``interval`` seconds apart (the app's ``stream_interval``; the first one is immediate): a fast
+    stream then costs the event loop, the client and the socket one write per interval rather than
+    per token, which on a machine whose cores all run the kernels is time taken from the model."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.events: collections.deque[Any] = collections.deque()
         self.ready = asyncio.Event()
         self._waking = False
+        self.interval = _interval.get() if interval is None else max(0.0, interval)
+        self._last = 0.0  # loop time of the previous hand-over
 
     def put(self, event: Any) -> None:
         """Called by the engine; raises RuntimeError once the loop is closed (the engine then
@@ -59,6 +72,10 @@ class Channel:
 
     async def get(self) -> list[Any]:
         """Every event that has arrived (at least one), in order."""
+        if self.interval and self._last:
+            wait = self._last + self.interval - self.loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
         while not self.events:
             self.ready.clear()
             if self.events:
@@ -67,6 +84,7 @@ class Channel:
         out = []
         while self.events:
             out.append(self.events.popleft())
+        self._last = self.loop.time()
         return out
 
 
@@ -103,9 +121,10 @@ def sse(obj: Any) -> str:
 class Guard:
     """ASGI middleware: bearer-key check, then one access-log line per request."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, stream_interval: float = STREAM_INTERVAL) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
+        self.stream_interval = max(0.0, float(stream_interval))
 
     def _authorized(self, scope: Scope) -> bool:
         path = scope["path"]
@@ -125,6 +144,7 @@ class Guard:
             return
         t0 = time.perf_counter()
         status = [0]
+        _interval.set(self.stream_interval)  # this request's context: its Channel reads it
 
         async def send_logged(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -42,6 +42,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help=f"prompt tokens fed between two decode steps (default {DEFAULT_PREFILL_CHUNK}): "
                         "smaller keeps running streams flowing, larger starts new ones sooner")
+    p.add_argument("--stream-interval", type=float, default=10.0, metavar="MS",
+                   help="least milliseconds between two writes of one stream: tokens generated meanwhile go "
+                        "out together, the first at once (default 10; 0: every token as it comes)")
     p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--spec", choices=("auto", "off"), default="auto",
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(model, max_queue=args.max_queue, parallel=args.parallel, kv_budget_mb=args.kv_budget,
                         prefix_cache_mb=args.prefix_cache, prefill_chunk=args.prefill_chunk,
                         default_task=args.task, default_skill=args.skill, speculative=args.spec == "auto")
-        app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body)
+        app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body,
+                         stream_interval=max(0.0, args.stream_interval) / 1000)
         sock = bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
