@@ -190,7 +190,7 @@ def run_vllm(spec: dict, timeout: int = 600, expect_ok: bool = True, **env_extra
         assert r.returncode == 0 and line, f"vLLM run failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
         return json.loads(line[len("RESULT "):])
     assert r.returncode != 0 and line is None, f"vLLM was expected to refuse:\n{r.stderr[-3000:]}"
-    return {"stderr": r.stderr}
+    return {"stderr": r.stdout + r.stderr}  # vLLM's logger (the engine core's root cause) writes to stdout
 
 
 @pytest.fixture(scope="module")
