@@ -367,6 +367,46 @@ def test_kv_budget_preempts_and_resumes(model_path):
         _close(*parts)
 
 
+def test_long_prompt_is_prefilled_between_decode_steps(model_path):
+    """A running stream keeps receiving tokens while a long prompt is prefilled chunk by chunk."""
+    model = cmf.load(model_path)
+    eng = Engine(model, parallel=4, prefill_chunk=32, prefix_cache_mb=0)
+    srv = ServerThread(create_app(eng, model_id=MODEL_ID, stream_interval=0)).start()
+    parts = (model, eng, srv)
+    try:
+        stamps: list[float] = []
+        sock = _open_stream(srv, dict(LONG, max_tokens=100000 // 40))
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sock.recv(65536)
+
+        def read() -> None:
+            while True:
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                stamps.extend([time.perf_counter()] * data.count(b"data: "))
+
+        import threading
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        long_prompt = [{"role": "user", "content": " ".join(WORDS * 80)}]  # ~650 tokens: 20 chunks
+        t0 = time.perf_counter()
+        r = _client(srv).chat.completions.create(model=MODEL_ID, messages=long_prompt, max_tokens=1, temperature=0)
+        t1 = t0 + r.model_extra["cmf"]["queue_ms"] / 1e3
+        t_first = t1 + r.model_extra["cmf"]["time_to_first_token_ms"] / 1e3
+        assert r.usage.prompt_tokens > 500
+        during = [t for t in stamps if t1 <= t <= t_first]
+        assert len(during) >= 5, (len(during), len(stamps))  # about one token per 32-token chunk
+        sock.close()
+    finally:
+        _close(*parts)
+
+
 def test_channel_hands_over_at_most_once_per_interval():
     """The first event goes out at once; later ones wait for the interval and go out together."""
     import asyncio
