@@ -48,7 +48,6 @@ __all__ = ["Engine", "Job", "Delta", "Finished", "Failed", "QueueFull", "EngineC
 log = logging.getLogger(__name__)
 
 
-
 class Engine(Stepping):
     """Runs :class:`Job` s on ``model`` in one worker thread; ``submit`` is safe from any thread.
 
