@@ -157,8 +157,8 @@ class Stepping:
             self._end(s, s.finish)
 
     def _preempt(self) -> None:
-        """Over the KV budget: the prefix cache goes first, then the newest sequences (their caches
-        to the prefix cache, to be taken back when they resume), never the oldest one."""
+        """Over the KV budget: the prefix cache goes first, then the newest sequences (their KV is
+        dropped and recomputed when they resume at the front of the queue), never the oldest one."""
         over = self._kv_used - self.kv_budget
         self.prefix.evict(over)
         while self._kv_used > self.kv_budget and len(self._running) > 1:
