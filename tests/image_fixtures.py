@@ -55,8 +55,10 @@ def train_tokenizer(folder: Path) -> None:
     GemmaTokenizer(tokenizer_object=tok, model_max_length=512).save_pretrained(str(folder))
 
 
-def make_pipeline(seed: int = 0) -> Any:
-    """The perturbed ``Lumina2Pipeline`` (f32, eval mode) with the tokenizer of a temp folder."""
+def make_pipeline(seed: int = 0, te: dict[str, Any] | None = None, dit: dict[str, Any] | None = None,
+                  vae: dict[str, Any] | None = None) -> Any:
+    """The perturbed ``Lumina2Pipeline`` (f32, eval mode) with the tokenizer of a temp folder;
+    ``te``/``dit``/``vae`` update the component configs (the benchmark's larger pipeline)."""
     import tempfile
 
     import torch
@@ -66,25 +68,31 @@ def make_pipeline(seed: int = 0) -> Any:
     from hf_fixtures import perturb
 
     torch.manual_seed(seed)
-    te = transformers.Gemma2Model(transformers.Gemma2Config(**TE_CONFIG)).eval().float()
-    perturb(te, seed + 1)
-    dit = Lumina2Transformer2DModel(**DIT_CONFIG).eval().float()
-    perturb(dit, seed + 2)
-    vae = AutoencoderKL(**VAE_CONFIG).eval().float()
-    perturb(vae, seed + 3)
+    text_encoder = transformers.Gemma2Model(transformers.Gemma2Config(**{**TE_CONFIG, **(te or {})})).eval().float()
+    perturb(text_encoder, seed + 1)
+    transformer = Lumina2Transformer2DModel(**{**DIT_CONFIG, **(dit or {})}).eval().float()
+    perturb(transformer, seed + 2)
+    autoencoder = AutoencoderKL(**{**VAE_CONFIG, **(vae or {})}).eval().float()
+    perturb(autoencoder, seed + 3)
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer(Path(tmp))
         tokenizer = transformers.AutoTokenizer.from_pretrained(tmp)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    return Lumina2Pipeline(transformer=dit, scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tokenizer)
+    return Lumina2Pipeline(transformer=transformer, scheduler=scheduler, vae=autoencoder, text_encoder=text_encoder,
+                           tokenizer=tokenizer)
 
 
-def build(folder: str | Path, seed: int = 0) -> Path:
-    """Write the fixture pipeline to ``folder`` (created; an existing one is replaced)."""
+def build(folder: str | Path, seed: int = 0, dtype: str = "f32", **configs: dict[str, Any]) -> Path:
+    """Write the fixture pipeline to ``folder`` (created; an existing one is replaced), its
+    weights saved at ``dtype`` (f32 or bf16, as hub checkpoints are)."""
+    import torch
+
     folder = Path(folder)
     if folder.exists():
         shutil.rmtree(folder)
-    pipe = make_pipeline(seed)
+    pipe = make_pipeline(seed, **configs)
+    if dtype == "bf16":
+        pipe.to(torch.bfloat16)
     pipe.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

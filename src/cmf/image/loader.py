@@ -141,11 +141,13 @@ def _scheduler(f: CmfFile, recipe: Recipe) -> Any:
     return getattr(diffusers, cls).from_config(cfg)
 
 
-def load_pipeline(path: str | os.PathLike[str], *, dtype: str = "f32", verify: bool = False) -> Loaded:
+def load_pipeline(path: str | os.PathLike[str], *, dtype: str = "f32", verify: bool = False,
+                  device: str = "cpu") -> Loaded:
     """Open ``path`` and build its diffusers pipeline (see the module docstring).
 
     ``dtype``: the compute dtype of the weights (f32 reproduces diffusers' own f32 run; bf16 /
     f16 halve the memory). ``verify``: check every hash first (spec §1.2) and refuse a damaged file.
+    ``device``: where the modules go once built (a torch device string; decoding is on the CPU).
     """
     torch, _, diffusers = require()
     t0 = time.perf_counter()
@@ -163,11 +165,13 @@ def load_pipeline(path: str | os.PathLike[str], *, dtype: str = "f32", verify: b
         pipe = getattr(diffusers, recipe.pipeline_class)(**parts)
         loaded = Loaded(pipe, f.path, recipe.arch_name, f"{env.header_hash:016x}", f"{env.dir_hash:016x}", dtype,
                         time.perf_counter() - t0)
+    if device != "cpu":
+        pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # callers draw their own (cmf imagine: tqdm on a TTY)
     log.info("%s: pipeline %s loaded in %.2f s", path, recipe.pipeline_class, loaded.seconds)
     return loaded
 
 
-def load(path: str | os.PathLike[str], *, dtype: str = "f32", verify: bool = False) -> Any:
+def load(path: str | os.PathLike[str], *, dtype: str = "f32", verify: bool = False, device: str = "cpu") -> Any:
     """The ready diffusers pipeline of a pipeline container (``cmf.image.load``)."""
-    return load_pipeline(path, dtype=dtype, verify=verify).pipeline
+    return load_pipeline(path, dtype=dtype, verify=verify, device=device).pipeline

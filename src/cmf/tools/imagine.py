@@ -33,6 +33,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cfg", type=float, default=4.0, metavar="C", help="classifier-free guidance scale (default 4)")
     p.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
                    help="compute dtype of the decoded weights (default f32)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="torch device to run on (default cpu; e.g. cuda, mps; the noise is drawn on the CPU)")
     p.add_argument("-t", "--threads", type=int, metavar="N", help="torch CPU threads")
     p.add_argument("--verify", action="store_true", help="check every hash of the file before running")
     p.add_argument("--json", action="store_true", help="print one JSON object (path, settings, timings)")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, int(args.threads)))
-    loaded = load_pipeline(args.model, dtype=args.dtype, verify=args.verify)
+    loaded = load_pipeline(args.model, dtype=args.dtype, verify=args.verify, device=args.device)
     progress, bar = _progress(args.steps)
     try:
         result = generate(loaded.pipeline, args.prompt, steps=args.steps, size=size, seed=args.seed, cfg=args.cfg,
