@@ -1,10 +1,11 @@
 """OpenAI-compatible HTTP server: ``schemas`` (pure validation and shapes), ``engine`` (one worker
-thread owning the model, a bounded request queue), ``app`` (Starlette routes, run by uvicorn).
+thread owning the model, running the requests together: continuous batching, a prefix cache, a
+bounded queue), ``app`` (Starlette routes, run by uvicorn).
 
 Needs the ``server`` extra (``pip install 'pycmf[server]'``). Typical use::
 
     model = cmf.load("model.cmf")
-    engine = Engine(model, max_queue=64)
+    engine = Engine(model, parallel=16, max_queue=64)
     with ServerThread(create_app(engine, model_id="model")) as s:
         print(s.url)
 """
