@@ -166,8 +166,9 @@ async def _events(chan: Channel, choices: list[Choice]) -> AsyncIterator[list[tu
         yield evs
 
 
-async def _whole(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, jobs: Jobs, chan: Channel,
-                 choices: list[Choice], rid: str, created: int) -> Response:
+async def collect(request: Request, chan: Channel, choices: list[Choice], jobs: Jobs) -> list[Finished] | None:
+    """Gather every choice's text and logprobs of a non-streamed request; None when the client
+    went away first (its jobs are cancelled), else the choices' Finished events."""
     async def run() -> None:
         async for evs in _events(chan, choices):
             for i, ev in evs:
@@ -188,11 +189,19 @@ async def _whole(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, job
                 t.cancel()
     if not done.done() or done.cancelled():
         jobs.cancel()
-        return Response(status_code=499)
+        return None
     done.result()  # re-raises a failure
     fins = [c.fin for c in choices]
     if any(f.finish_reason == "cancelled" for f in fins):
         raise S.RequestError(503, "the server is shutting down", code="unavailable")
+    return fins
+
+
+async def _whole(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, jobs: Jobs, chan: Channel,
+                 choices: list[Choice], rid: str, created: int) -> Response:
+    fins = await collect(request, chan, choices, jobs)
+    if fins is None:
+        return Response(status_code=499)
     out_choices = []
     for c in choices:
         msg, called = _message(p, "".join(c.text))

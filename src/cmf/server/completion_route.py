@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import schemas as S
-from .chat_route import Choice, Jobs, _events, _total
+from .chat_route import Choice, Jobs, _events, _total, collect
 from .jobs import Delta, Finished, Job
 from .plumbing import Channel, SSEResponse, sse
 
@@ -39,31 +39,9 @@ async def many(api: "_Api", request: Request, req: S.CompletionRequest, ids: lis
     if req.stream:
         return SSEResponse(_stream(api, request, req, chan, choices, echo, rid, created), jobs)
 
-    async def run() -> None:
-        async for evs in _events(chan, choices):
-            for i, ev in evs:
-                if isinstance(ev, Delta):
-                    choices[i].text.append(ev.text)
-                    choices[i].logprobs.extend(ev.logprobs)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    done, left = asyncio.ensure_future(run()), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({done, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (done, left):
-            if not t.done():
-                t.cancel()
-    if not done.done() or done.cancelled():
-        jobs.cancel()
+    fins = await collect(request, chan, choices, jobs)
+    if fins is None:
         return Response(status_code=499)
-    done.result()
-    fins = [c.fin for c in choices]
-    if any(f.finish_reason == "cancelled" for f in fins):
-        raise S.RequestError(503, "the server is shutting down", code="unavailable")
     fin = _total(fins)
     api._log_usage(request, fin)
     body = S.text_completion(rid, created, api.model_id, "", None, prompt_tokens=fin.prompt_tokens,
