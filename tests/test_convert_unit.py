@@ -335,6 +335,19 @@ def test_config_refusals() -> None:
     ("vbit_ro", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "vbit_ro"),
     ("q1p", None, "model.layers.0.mlp.down_proj.weight", (64, 96), "q1"),
     ("q8_row", None, "lm_head.weight", (10, 64), "q8_row"),
+    # the token table / output head stays q8_row under every sub-8-bit quant, any input width
+    ("q4tp", None, "model.embed_tokens.weight", (128, 64), "q8_row"),
+    ("q4tp", None, "lm_head.weight", (128, 64), "q8_row"),
+    ("q4t", None, "model.language_model.embed_tokens.weight", (128, 64), "q8_row"),
+    ("q4", None, "lm_head.weight", (128, 48), "q8_row"),
+    ("q2tp", None, "model.embed_tokens.weight", (128, 64), "q8_row"),
+    ("vbit", None, "lm_head.weight", (128, 64), "q8_row"),
+    ("q1t", None, "model.embed_tokens.weight", (128, 64), "q8_row"),
+    ("q4tp", "q4", "lm_head.weight", (128, 64), "q8_row"),
+    ("q8_2f", None, "lm_head.weight", (128, 64), "q8_2f"),  # 8-bit quants keep their own choice
+    ("f16", None, "model.embed_tokens.weight", (128, 64), "f16"),
+    ("q4tp", None, "model.embed_tokens.weight", (128,), "f16"),  # not 2-D: the f16 rule first
+    ("q4tp", None, "model.layers.0.embed_tokens_proj.weight", (128, 64), "q4tp"),  # exact names only
 ])
 def test_dtype_policy(quant, attn, name, shape, dtype) -> None:
     assert Policy.make(quant, attn).choose(name, shape).dtype == dtype

@@ -189,7 +189,7 @@ def test_q2tp_profile_and_attn_quant(tmp_path) -> None:
     assert d["model.layers.0.mlp.experts.2.down_proj.weight"] == "q8_2f"  # in = 48
     assert d["model.layers.0.self_attn.q_proj.weight"] == "q8_row"
     assert d["model.layers.0.mlp.gate.weight"] == "f16"
-    assert d["lm_head.weight"] == "q4tp"
+    assert d["lm_head.weight"] == "q8_row"  # the output head stays 8-bit under sub-8-bit quants
     assert h.quant_type == "Q4_BLOCK" and h.provenance["options"] == {"quant": "q2tp", "attn_quant": "q8"}
     dense = convert(H.fixture("qwen3_5"), tmp_path / "dense.cmf", quant="q2tp", attn_quant="q4").paths[0]
     with cmf.open(dense) as f:

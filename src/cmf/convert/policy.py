@@ -4,8 +4,10 @@ With a quantized ``--quant``: 1-D tensors, tensors of other ranks and tensors un
 are f16; so are the small precision-critical matrices (MoE router ``mlp.gate.weight``,
 ``shared_expert_gate``, GDN ``in_proj_a``/``in_proj_b``, any ``conv1d``, ``self_attn.g_proj``).
 Attention projections (``self_attn.*``, ``linear_attn.*``) take ``--attn-quant`` when given, every
-other matrix the main quant. Formats that need ``in % 32 == 0`` (q4t, q4tp, q2tp, vbit, q1*) fall
-back to q8_2f for a matrix whose input width is not a multiple of 32. ``--quant q2tp`` is a
+other matrix the main quant. Under a sub-8-bit quant (q4, q4t, q4tp, q2tp, vbit, q1*) the token
+table and output head (``embed_tokens.weight``, ``lm_head.weight``) are stored q8_row, as
+llama.cpp keeps them at 8 bits (docs/QUANT.md). Formats that need ``in % 32 == 0`` (q4t, q4tp,
+q2tp, vbit, q1*) fall back to q8_2f for a matrix whose input width is not a multiple of 32. ``--quant q2tp`` is a
 profile: expert gate/up matrices (dense FFN gate/up in a model without experts) get q2tp, the
 rest q4tp.
 
@@ -47,6 +49,10 @@ ATTENTION = re.compile(r"\.(self_attn|linear_attn)\.")
 EXPERT_GATE_UP = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight\Z")
 DENSE_GATE_UP = re.compile(r"\.mlp\.(gate_proj|up_proj)\.weight\Z")
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight\Z")
+# The token table and the output head (one matrix when tied): a lookup table and the last
+# projection, whose errors no later layer averages out (measured in docs/QUANT.md).
+TOKEN_TABLE = re.compile(r"(\A|\.)(embed_tokens\.weight|lm_head\.weight)\Z")
+SUB8 = frozenset({"q4", "q4t", "q4tp", "q2tp", "vbit", "q1", "q1p", "q1s", "q1t"})
 
 
 def quant_name(q: str) -> str:
@@ -119,6 +125,8 @@ class Policy:
                 return Choice(self.quant, {}, "float")
         elif small:
             return Choice("f16", {}, small)
+        if self.quant in SUB8 and TOKEN_TABLE.search(name) and not attn:
+            return Choice("q8_row", {}, "token table / output head")
         if attn:
             label, opts = self._dtype_of(self.attn_quant, name, profile=False)
             reason = "attn-quant"
