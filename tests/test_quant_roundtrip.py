@@ -37,9 +37,16 @@ def _err_bound(name: str, w: np.ndarray, data: bytes) -> np.ndarray:
         qq, s, col = q.get_codec(name)._parts(data, w.shape)
         return 0.5 * s[:, None] * col[None, :] * (1 + 1e-5) + 2.0 ** -11 * np.abs(w) + eps
     if name in ("q4_block", "q4_tiled"):
+        # from the stored (possibly negative) scale: half a step, or the distance past the end
+        # level a clamped weight lies (the mse encoder may put the largest weight on -8)
+        groups = w.size // GROUP
+        raw = np.frombuffer(data, np.uint8)
+        sb = raw[16 * groups:] if name == "q4_block" else raw.reshape(groups, 18)[:, :2].reshape(-1)
+        s = sb.copy().view("<f2").astype(np.float32).reshape(w.shape[0], -1, 1)
+        lo, hi = np.minimum(-8 * s, 7 * s), np.maximum(-8 * s, 7 * s)
         g = _groups(w)
-        amax = np.abs(g).max(axis=2, keepdims=True)
-        return np.broadcast_to(0.5 * np.maximum(amax / 7 * (1 + 2.0 ** -10), 2.0 ** -14), g.shape).reshape(w.shape) + eps
+        past = np.maximum(np.maximum(lo - g, g - hi), 0)
+        return (np.maximum(0.5 * np.abs(s), past) * (1 + 1e-5)).reshape(w.shape) + eps
     if name in ("vbit", "vbit_ro"):
         codec = q.get_codec(name)
         data_a, widths, starts, off, cols = codec._layout(data, w.shape)
@@ -58,9 +65,11 @@ def _err_bound(name: str, w: np.ndarray, data: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["q8_row", "q8_2f", "q4_block", "q4_tiled", "vbit", "vbit_ro", "q4tp", "q2tp"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_round_trip_within_lattice_bound(name: str, seed: int) -> None:
+@pytest.mark.parametrize("encoder", [None, "reference"])
+def test_round_trip_within_lattice_bound(name: str, seed: int, encoder: str | None) -> None:
     w = matrix(24, 160, seed)
-    data = q.encode(w, name)
+    opts = {"encoder": encoder} if encoder and name in ("q4_block", "q4_tiled", "q4tp", "q2tp") else {}
+    data = q.encode(w, name, **opts)
     got = q.decode(data, name, w.shape)
     assert got.dtype == np.float32 and got.shape == w.shape
     assert np.all(np.abs(got - w) <= _err_bound(name, w, data))

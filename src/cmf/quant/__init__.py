@@ -2,9 +2,13 @@
 
 Public contract::
 
-    data = cmf.quant.encode(array, "q4tp")            # bytes, as the reference encoders write them
+    data = cmf.quant.encode(array, "q4tp")            # bytes of the dtype's layout
     w = cmf.quant.decode(data, "q4tp", (rows, cols))   # float32 array of that shape
     part = cmf.quant.decode_rows(data, "q4tp", (rows, cols), [0, 7])
+
+Every dtype's bytes are the reference encoders' (REFERENCE_NOTES §1.8) except q4_block,
+q4_tiled, q4tp and q2tp, whose default encoder is ``encoder="mse"`` (``cmf.quant.mse``: same
+layouts, less error); ``encoder="reference"`` writes the reference's bytes for those too.
 
 ``dtype`` is a spec label (``"f16"``, ``"q8_row"``, ``"q4tp"``, ``"q2tp"``, ...), an alias of the
 converter (``"q8"``, ``"q4"``, ``"q4t"``, ``"q1p"``) or an id. Malformed payloads raise a
@@ -49,7 +53,9 @@ __all__ = [
 def encode(array: Any, dtype: Dtype | int | str, **options: Any) -> bytes:
     """Encode an array (anything numpy converts to float32) as ``dtype``'s payload bytes.
 
-    Options per dtype: vbit/vbit_ro ``mean_bits``, ``bias``; q4tp/q2tp ``search``; q1
+    Options per dtype: q4_block/q4_tiled/q4tp/q2tp ``encoder`` (``"mse"`` default, or
+    ``"reference"``) and ``importance`` (mse: per input feature error weights); q4tp/q2tp
+    ``search`` (reference only); vbit/vbit_ro ``mean_bits``, ``bias``; q1
     ``diffusion`` (``"q1p"`` sets it); q1s ``keep``, ``act_rms``; q1t ``keep``, ``act_rms``,
     ``correct``, ``colmask``.
     """

@@ -9,8 +9,12 @@ q4tp: ``[nibbles rows·gpr·16][params rows·4][codes]``; nibbles as q4_tiled.
 q2tp: ``[2-bit plane rows·gpr·8][params][codes]``; weight 4k+j in bits 2j..2j+1 of byte k,
 ``w = (c2 - 1.5)·s``; rung 0 is an exact zero and rung c >= 1 is the q4tp ladder's c-1.
 
-Encoders follow REFERENCE_NOTES §1.8 step by step, vectorized over rows and groups. The
-``search`` option (default on) is the reference's ``CMF_Q2TP_SEARCH`` switch.
+Two encoders write these bytes. ``encoder="reference"`` follows REFERENCE_NOTES §1.8 step by
+step, vectorized over rows and groups; its ``search`` option (default on) is the reference's
+``CMF_Q2TP_SEARCH`` switch. The default ``encoder="mse"`` builds each row's ladder from the
+groups' error-minimising scales and picks the rung per group that minimises the group's weighted
+squared error (``cmf.quant.mse``); lo/step are rounded to f16 before any code is chosen and the
+levels are quantized against the reconstructed rung, as the spec requires.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from ..format.constants import GROUP, Dtype
-from . import _fast, _outputs
+from . import _fast, _outputs, mse
 from .base import Buffer, Codec, as_bytes_array, as_f32, check_shape, require_2d, row_block, row_chunks, seq_sum
 from .float import exp2_f16, f16_bits_to_f32, f16_scale_bits, f32_to_f16_bits, log2_f16
 from .q4 import NIBBLE_LUT, pack_nibbles
@@ -29,6 +33,11 @@ Q4TP_LMAX = 31
 Q2TP_LMAX = 30
 _WALK = 64  # at most this many one-ULP increments of the f16 step (reference cap)
 _TOP_FRACS = (1.0, 0.9, 0.8, 0.7)  # q2tp ladder-top candidates, in the reference's order
+_MSE_TOP_FRACS = (1.0, 0.9, 0.8)  # q2tp ladder tops the mse encoder tries (scored by row error)
+# mse rung window: rungs within this factor of a group's best scale are scored (a q4tp ladder's
+# rungs are ~3% apart, so the window holds the optimum with room; q2tp's error curve is wider)
+_Q4TP_WINDOW = 1.2
+_Q2TP_WINDOW = 1.3
 
 # byte -> its four 2-bit weights minus 1.5
 CRUMB_LUT = (((np.arange(256)[:, None] >> (2 * np.arange(4))) & 3) - 1.5).astype(np.float32)
@@ -231,23 +240,70 @@ def encode_q2tp_rows(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np
     return plane.astype(np.uint8), np.stack([lo_h, st_h], axis=1), codes
 
 
+def _mse_ladder(ideal: np.ndarray, lmax: int, top_frac: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(lo bits, step bits) of the rows' ladders over the groups' best scales (steps 2-3 of §1.8)."""
+    dead = ideal == 0
+    lg = log2_f16(f16_scale_bits(ideal))
+    lo, hi = _lo_hi(lg, dead)
+    lo_h = f32_to_f16_bits(lo).astype(np.uint16)
+    lo_r = f16_bits_to_f32(lo_h)
+    top = lo_r + np.float32(top_frac) * (hi - lo_r) if top_frac != 1.0 else hi
+    return lo_h, _walk_step(lo_r, top.astype(np.float32), lmax)
+
+
+def encode_q4tp_rows_mse(w: np.ndarray, wt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mse encoder of q4tp: (rows, gpr, 32) f32 and (gpr, 32) weights -> as ``encode_q4tp_rows``."""
+    ideal = mse.ideal_scales(w, wt, two_bit=False)
+    lo_h, st_h = _mse_ladder(ideal, Q4TP_LMAX)
+    codes, q, _ = mse.best_rungs(w, wt, q4tp_ladder(lo_h, st_h), ideal, False, _Q4TP_WINDOW)
+    return pack_nibbles(q), np.stack([lo_h, st_h], axis=1), codes
+
+
+def encode_q2tp_rows_mse(w: np.ndarray, wt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mse encoder of q2tp: per row, the ladder top (of ``_MSE_TOP_FRACS``) with the least error."""
+    ideal = mse.ideal_scales(w, wt, two_bit=True)
+    best = None
+    for frac in _MSE_TOP_FRACS:
+        lo_h, st_h = _mse_ladder(ideal, Q2TP_LMAX, frac)
+        codes, q, err = mse.best_rungs(w, wt, q2tp_ladder(lo_h, st_h), ideal, True, _Q2TP_WINDOW)
+        if best is None:
+            best = [err, st_h, codes, q]
+            continue
+        win = err < best[0]
+        best = [np.where(win, err, best[0]), np.where(win, st_h, best[1]),
+                np.where(win[:, None], codes, best[2]), np.where(win[:, None, None], q, best[3])]
+    _, st_h, codes, q = best
+    q = q.reshape(w.shape[0], w.shape[1], 8, 4)
+    plane = q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+    return plane.astype(np.uint8), np.stack([lo_h, st_h.astype(np.uint16)], axis=1), codes
+
+
 class _LadderCodec(Codec):
     plane: int  # weight-plane bytes per group
 
-    def _encode_rows(self, w: np.ndarray, search: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _encode_rows(self, w: np.ndarray, enc: str, search: bool, wt: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError
 
-    def encode(self, array: np.ndarray, search: bool = True) -> bytes:
-        """Encode a 2-D matrix (``in % 32 == 0``); ``search=False`` = ``CMF_Q2TP_SEARCH=0``."""
+    def encode(self, array: np.ndarray, search: bool | None = None, encoder: str | None = None,
+               importance: np.ndarray | None = None) -> bytes:
+        """Encode a 2-D matrix (``in % 32 == 0``).
+
+        ``encoder``: ``"mse"`` (default) or ``"reference"``; ``search=False`` (reference only) is
+        ``CMF_Q2TP_SEARCH=0``; ``importance`` (mse only): per input feature error weights.
+        """
         w = as_f32(array)
         rows, cols = require_2d(self.id, w.shape)
+        enc, imp = mse.options(encoder, importance, cols, search)
         gpr = cols // GROUP
+        wt = mse.group_weights(imp, cols)
+        wt = np.ascontiguousarray(np.broadcast_to(wt, (gpr, GROUP)))
         planes = np.empty((rows, gpr, self.plane), np.uint8)
         params = np.empty((rows, 2), np.uint16)
         codes = np.empty((rows, code_bytes(gpr)), np.uint8)
         for sl in row_chunks(rows, cols):
             blk = w[sl].reshape(-1, gpr, GROUP)
-            planes[sl], params[sl], c = self._encode_rows(blk, search)
+            planes[sl], params[sl], c = self._encode_rows(blk, enc, True if search is None else search, wt)
             codes[sl] = pack_codes(c)
         return planes.tobytes() + params.astype("<u2").tobytes() + codes.tobytes()
 
@@ -299,8 +355,8 @@ class Q4tpCodec(_LadderCodec):
     id = Dtype.Q4TP
     plane = 16
 
-    def _encode_rows(self, w, search):
-        return encode_q4tp_rows(w, search)
+    def _encode_rows(self, w, enc, search, wt):
+        return encode_q4tp_rows(w, search) if enc == "reference" else encode_q4tp_rows_mse(w, wt)
 
     _table = NIBBLE_LUT
 
@@ -320,8 +376,8 @@ class Q2tpCodec(_LadderCodec):
     id = Dtype.Q2TP
     plane = 8
 
-    def _encode_rows(self, w, search):
-        return encode_q2tp_rows(w, search)
+    def _encode_rows(self, w, enc, search, wt):
+        return encode_q2tp_rows(w, search) if enc == "reference" else encode_q2tp_rows_mse(w, wt)
 
     _table = CRUMB_LUT
 

@@ -1,8 +1,10 @@
 """4-bit group dtypes: ``q4_block`` (nibbles, then scales) and ``q4_tiled`` (18-byte tiles).
 
-Both hold the same values: groups of 32 over the flattened tensor, ``s = f16_scale(absmax/7)``,
-``q = clamp(round(w/s), -8, 7) + 8``; byte k of a group holds element 2k in the low nibble and
-2k+1 in the high nibble; ``w = (q - 8)·s``.
+Both hold the same values: groups of 32 over the flattened tensor, one f16 scale per group;
+byte k of a group holds element 2k in the low nibble and 2k+1 in the high nibble;
+``w = (q - 8)·s``. The reference encoder takes ``s = f16_scale(absmax/7)``,
+``q = clamp(round(w/s), -8, 7) + 8``; the default ``mse`` encoder (``cmf.quant.mse``) picks a
+signed scale per group that minimises the group's weighted squared error.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel
-from . import _fast, _outputs
+from . import _fast, _outputs, mse
 from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, expand_ranges, f16_at, require_2d,
                    row_block)
 from .float import f16_scale, f32_to_f16_bits
@@ -53,13 +55,21 @@ def _grouped(w: np.ndarray) -> np.ndarray:
     return flat.reshape(groups, GROUP)
 
 
-def _encode_planes(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _encode_planes(w: np.ndarray, encoder: str | None,
+                   importance: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    cols = int(w.shape[-1]) if w.ndim else 1
+    enc, imp = mse.options(encoder, importance, cols)
     g = _grouped(w)
     scales = np.empty(g.shape[0], np.float32)
     packed = np.empty((g.shape[0], 16), np.uint8)
+    wt = mse.group_weights(imp, cols) if cols else np.ones((1, GROUP), np.float32)
     for start in range(0, g.shape[0], _GROUP_CHUNK):
         sl = slice(start, start + _GROUP_CHUNK)
-        scales[sl], packed[sl] = quantize_groups(g[sl])
+        if enc == "reference":
+            scales[sl], packed[sl] = quantize_groups(g[sl])
+        else:
+            scales[sl], q = mse.q4_groups(g[sl], wt, start)
+            packed[sl] = pack_nibbles(q)
     return scales, packed
 
 
@@ -75,9 +85,10 @@ class Q4BlockCodec(Codec):
 
     id = Dtype.Q4_BLOCK
 
-    def encode(self, array: np.ndarray) -> bytes:
+    def encode(self, array: np.ndarray, encoder: str | None = None, importance: np.ndarray | None = None) -> bytes:
+        """``encoder``: ``"mse"`` (default) or ``"reference"``; ``importance``: per input feature."""
         w = as_f32(array)
-        scales, packed = _encode_planes(w)
+        scales, packed = _encode_planes(w, encoder, importance)
         return packed.tobytes() + f32_to_f16_bits(scales).astype("<u2").tobytes()
 
     def _parts(self, buf: Buffer, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -116,10 +127,11 @@ class Q4TiledCodec(Codec):
 
     id = Dtype.Q4_TILED
 
-    def encode(self, array: np.ndarray) -> bytes:
+    def encode(self, array: np.ndarray, encoder: str | None = None, importance: np.ndarray | None = None) -> bytes:
+        """``encoder``: ``"mse"`` (default) or ``"reference"``; ``importance``: per input feature."""
         w = as_f32(array)
         require_2d(self.id, w.shape)
-        scales, packed = _encode_planes(w)
+        scales, packed = _encode_planes(w, encoder, importance)
         tiles = np.empty(scales.shape[0], dtype=_TILE)
         tiles["scale"] = f32_to_f16_bits(scales).view(np.float16)
         tiles["q"] = packed
