@@ -162,7 +162,7 @@ def test_batch_group_rows_equal_the_one_token_products(matrices, paired):
             if not paired:
                 bg.paired = False
             one = MatvecGroup(group, act)
-            for t in (1, 2, 3, 7):
+            for t in (1, 2, 3, 7, 9, 12):
                 X = rng.standard_normal((t, group[0].in_features)).astype(np.float32)
                 Y = bg(X)
                 for r in range(t):

@@ -7,9 +7,10 @@ group of four rows (a quarter of the chunk apart, so the prefetchers see four lo
 computes the dot products with all B inputs while the rows sit in L1. Each (row, input) sum is
 the one-token kernel's ``_dot4`` on the same data, so a sequence's products are bit-for-bit those
 it gets alone, whatever else is in the batch. The paired kernel (``dot_ir.dot22``) converts each
-weight block once for two inputs, with the same summation spelled out in IR; a group uses it after
-checking, once, that it reproduces the one-token products exactly on this CPU (measured on the
-benchmark model under load: 10-20% less time per batched step than converting per input). q8,
+weight block once for two inputs, with the same summation spelled out in IR; a group uses it from
+``PAIRED_MIN_T`` inputs on (below, the weight stream bounds the step and the plain kernel's four
+rows in flight keep more of it going) after checking, once, that it reproduces the one-token
+products exactly on this CPU (2 cores, 16 inputs: 15% less time per pass than the plain one). q8,
 f16/bf16 and f32 run here; other families run their LinearOps one after another (their batched
 path: no such guarantee past ``fused_max_t``).
 """
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 # The paired kernel (two vectors per pass over the weights, dot_ir.dot22) where it is bit-identical
 # to the one-token products; CMF_BATCH_PAIRED=0 keeps the plain one everywhere.
 PAIRED = os.environ.get("CMF_BATCH_PAIRED", "1").strip().lower() not in ("0", "false", "off", "no")
+# Below this many inputs the plain kernel runs: still bound by the weight stream there, and its four
+# rows in flight (against the paired kernel's two) keep more of it going (measured on 2 cores: 2
+# inputs 12.5 against 16.6 ms per pass over the benchmark model, 8 even, 16: 61.5 against 52.1).
+PAIRED_MIN_T = 8
 
 
 @numba.njit(**SERIAL)
@@ -171,9 +176,9 @@ class BatchGroup:
             return Y
         if nt > 1 and g.work < _jit.PARALLEL_MIN_BYTES:  # MatvecGroup.bind's rule: the same row chunks
             nt = 1
-        if self.paired is None:
+        if X.shape[0] >= PAIRED_MIN_T and self.paired is None:
             self.paired = self._paired_matches(nt)
-        self._run(X, Y, nt, self.paired)
+        self._run(X, Y, nt, bool(self.paired) and X.shape[0] >= PAIRED_MIN_T)
         return Y
 
     def _run(self, X: np.ndarray, Y: np.ndarray, nt: int, paired: bool) -> None:
