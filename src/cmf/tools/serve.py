@@ -42,9 +42,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help=f"prompt tokens fed between two decode steps (default {DEFAULT_PREFILL_CHUNK}): "
                         "smaller keeps running streams flowing, larger starts new ones sooner")
-    p.add_argument("--stream-interval", type=float, default=10.0, metavar="MS",
+    p.add_argument("--stream-interval", type=float, default=25.0, metavar="MS",
                    help="least milliseconds between two writes of one stream: tokens generated meanwhile go "
-                        "out together, the first at once (default 10; 0: every token as it comes)")
+                        "out together, the first at once (default 25; 0: every token as it comes)")
     p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--spec", choices=("auto", "off"), default="auto",
