@@ -999,3 +999,15 @@ def test_header_layer_types_wrong_length(tmp_path: Path, patched: Patch, types: 
     h["arch"]["layer_types"] = types
     expect(tmp_path, patched.rewrite_header(h), ParseError, "layer_types", f"lists {len(types)} entries",
            "num_layers is 2")
+
+
+@pytest.mark.parametrize("depth", [constants.MAX_JSON_DEPTH, constants.MAX_JSON_DEPTH + 1, 1100])
+def test_header_json_depth_bound(tmp_path: Path, patched: Patch, depth: int) -> None:
+    # the header object itself is level 1; written by hand: json.dumps would recurse past its limit
+    n = depth - 1
+    raw = (json.dumps(patched.header_json())[:-1] + ',"x_nest":' + "[" * n + "0" + "]" * n + "}").encode()
+    if depth <= constants.MAX_JSON_DEPTH:
+        with opens(tmp_path, patched.rewrite_header(raw)) as f:
+            assert "x_nest" in f.header.to_dict()
+    else:
+        expect(tmp_path, patched.rewrite_header(raw), ParseError, "header", "nested")

@@ -22,6 +22,9 @@ MAX_NDIM = 6
 # Defensive limits: refuse absurd values before allocating anything.
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 50_000_000  # a directory record is 56 bytes; this is already 2.8 GB of records
+# Header / masks-meta JSON nesting: real headers nest 5-6 levels; code that walks the views
+# recursively (serialize, deepcopy, to_dict) must never meet a RecursionError deep inside.
+MAX_JSON_DEPTH = 64
 
 # Envelope field offsets (spec §1).
 OFF_MAGIC = 0x00

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
-from .constants import LAYER_TYPES, NORM_STYLES, QUANT_TYPES
+from .constants import LAYER_TYPES, MAX_JSON_DEPTH, NORM_STYLES, QUANT_TYPES
 from .errors import ParseError
 
 __all__ = [
@@ -49,6 +49,23 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
+def _depth(obj: Any) -> int:
+    """Nesting depth of a decoded JSON value, iteratively; stops once past MAX_JSON_DEPTH."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > deepest:
+            deepest = d
+            if d > MAX_JSON_DEPTH:
+                break
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
 def parse_json(raw: bytes | bytearray | memoryview, what: str) -> Any:
     """Decode strict UTF-8 JSON (no NaN/Infinity, no duplicate keys, no lone surrogates).
 
@@ -64,6 +81,8 @@ def parse_json(raw: bytes | bytearray | memoryview, what: str) -> Any:
         raise ParseError(f"{what}: JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, our hooks, int-digit limits
         raise ParseError(f"{what}: not valid JSON ({e})") from None
+    if (text.count("[") + text.count("{")) > MAX_JSON_DEPTH and _depth(obj) > MAX_JSON_DEPTH:
+        raise ParseError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")

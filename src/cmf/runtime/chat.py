@@ -4,6 +4,7 @@ Rendering follows transformers' ``apply_chat_template``: an immutable sandbox, t
 lstrip_blocks, loop controls, ``tojson``, ``raise_exception``, ``strftime_now``, the
 ``{% generation %}`` tag, and the context variables ``messages``, ``add_generation_prompt``,
 ``tools``, ``bos_token``/``eos_token`` and ``enable_thinking`` (only when set).
+The sandbox's bounds on size, allocation, output and time are in ``chat_sandbox``.
 Without a template (or when rendering fails) the ChatML fallback of REFERENCE_NOTES §1.15 builds
 the ids directly.
 """
@@ -44,8 +45,11 @@ def _strftime_now(fmt: str) -> str:
 def _compile(template: str):
     from jinja2 import nodes
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    from .chat_sandbox import MAX_TEMPLATE_CHARS, BoundedSandbox, _bounded_filter
+
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"chat template is {len(template)} characters; the limit is {MAX_TEMPLATE_CHARS}")
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` renders its body unchanged (HF marks assistant spans)."""
 
@@ -56,9 +60,8 @@ def _compile(template: str):
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body).set_lineno(lineno)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", GenerationTag])
-    env.filters["tojson"] = _tojson
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationTag])
+    env.filters["tojson"] = _bounded_filter(_tojson)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
@@ -80,12 +83,22 @@ def render_chat(template: str, messages: Sequence[dict], *, add_generation_promp
         ctx["bos_token"] = bos_token
     if eos_token is not None:
         ctx["eos_token"] = eos_token
+    from .chat_sandbox import render_bounded
+
+    # Output bound: a template's text around the conversation is small; 8 characters of prompt per
+    # character of input (messages, tools) plus 1 MiB is far above any real one.
+    given = sum(len(str(m.get("content") or "")) for m in ctx["messages"] if isinstance(m, dict))
+    given += len(json.dumps(tools, default=str)) if tools else 0
     try:
-        return _compile(template).render(**ctx)
+        return render_bounded(_compile(template), ctx, max_chars=8 * given + (1 << 20))
     except ChatTemplateError:
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}") from exc
+    except RecursionError:  # a macro calling itself
+        raise ChatTemplateError("chat template error: recursion too deep") from None
+    except Exception as exc:  # noqa: BLE001 - the template is code from the file: any failure is its own
+        raise ChatTemplateError(f"chat template error: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def _insert_no_think(text: str) -> str:

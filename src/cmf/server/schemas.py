@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .limits import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_TOKENS_CAP, check_chat_bounds
+
 # OpenAI's own limits, kept so that a request valid here is valid there.
 MAX_STOP = 16  # OpenAI allows 4; llama.cpp-style clients send more, each costs one find() per token
 MAX_TOP_LOGPROBS = 20
@@ -229,11 +231,14 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v] if v else []
+        v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
     if len(v) > MAX_STOP:
         raise bad(f"'stop' may hold at most {MAX_STOP} sequences, got {len(v)}", "stop", "invalid_value")
+    for i, s in enumerate(v):
+        if len(s) > MAX_STOP_CHARS:
+            raise bad(f"'stop[{i}]' is {len(s)} characters; at most {MAX_STOP_CHARS}", "stop", "invalid_value")
     return [s for s in v if s]
 
 
@@ -241,6 +246,9 @@ def _logit_bias(body: Mapping[str, Any], vocab: int) -> dict[int, float]:
     v = _obj(body, "logit_bias")
     if not v:
         return {}
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}", "logit_bias",
+                  "invalid_value")
     out: dict[int, float] = {}
     for k, b in v.items():
         try:
@@ -259,9 +267,9 @@ def _sampling(body: Mapping[str, Any], vocab: int, *, chat: bool) -> Sampling:
     best_of = _int(body, "best_of", default=1)
     if best_of != 1:
         raise bad(f"only best_of=1 is supported, got {best_of}", "best_of", "unsupported_value")
-    max_tokens = _int(body, "max_tokens", lo=1)
+    max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_TOKENS_CAP)
     if chat:
-        mct = _int(body, "max_completion_tokens", lo=1)
+        mct = _int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_CAP)
         if mct is not None:  # the newer name wins, as in OpenAI's API
             max_tokens = mct
     rp = _num(body, "repeat_penalty", lo=0.0, lo_open=True)
@@ -370,6 +378,7 @@ def parse_chat(body: Any, *, vocab: int) -> ChatRequest:
         raise bad(f"'messages' must be an array, got {_type_name(msgs)}", "messages", "invalid_type")
     if not msgs:
         raise bad("'messages' must hold at least one message", "messages", "invalid_value")
+    check_chat_bounds(body)
     messages = [_message(i, m) for i, m in enumerate(msgs)]
     logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS, default=0)
