@@ -9,12 +9,17 @@ existing target keeps that file's mode.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["apply_output_mode", "current_umask", "output_mode"]
+if TYPE_CHECKING:
+    from .errors import IoError
+
+__all__ = ["apply_output_mode", "check_writable", "current_umask", "io_error", "output_mode"]
 
 _UMASK_LOCK = threading.Lock()
 
@@ -50,3 +55,40 @@ def apply_output_mode(fd_or_path: int | str | os.PathLike, target: str | os.Path
         os.fchmod(fd_or_path, mode)
     else:
         os.chmod(fd_or_path, mode)
+
+
+def io_error(exc: OSError, what: str) -> "IoError":
+    """A typed IoError for ``exc`` (errno kept); ``what`` says what failed and what is left, with
+    ``{reason}`` where the OS's reason goes."""
+    from .errors import IoError
+
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        reason = "no space left on the device"
+    err = IoError(what.replace("{reason}", reason))
+    err.errno = exc.errno  # strerror stays unset: OSError.__str__ would print it instead of the message
+    return err
+
+
+def check_writable(target: str | os.PathLike, *, in_place: bool = False) -> None:
+    """Raise IoError now, before any work, when ``target`` cannot be written.
+
+    In place: the file must open for writing. Otherwise its folder must take a new file, probed
+    by creating and removing one (``os.access`` answers yes to root on a folder it could not
+    write through ACLs or on some network mounts; the probe is what the writer will do)."""
+    import tempfile
+
+    target = Path(target)
+    try:
+        if in_place:
+            os.close(os.open(target, os.O_RDWR))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=target.parent)
+            os.close(fd)
+            os.unlink(name)
+    except FileNotFoundError:
+        raise  # the callers report a missing file or folder in their own words
+    except OSError as exc:
+        where = target if in_place else target.parent
+        raise io_error(exc, f"{where}: cannot write {'the file' if in_place else 'into this folder'} "
+                            f"({{reason}}); nothing was done") from None

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Mapping
 from .constants import ENVELOPE_SIZE
 from .directory import encode_directory
 from .envelope import Envelope, Section
-from .errors import HashMismatch, ShardError, WriterError
+from ._atomic import io_error
+from .errors import CmfError, HashMismatch, ShardError, WriterError
 from .hash64 import hash64, hash64_hex
 from .header import parse_header, serialize_header
 from .masks import MaskSet, encode_masks
@@ -75,10 +76,15 @@ def append(path: str | os.PathLike, tensors: Iterable[TensorSpec] = (),
                         if env.section(k).present}
     data = env.section("data")
     by_name = {e.name: i for i, e in enumerate(entries)}
-    fd = os.open(path, os.O_RDWR)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise io_error(exc, f"{path}: cannot open the file for writing ({{reason}}); nothing was changed") from None
+    committing = False
+    old_size = os.fstat(fd).st_size
     try:
         ops = ops_factory(fd)
-        tail = os.fstat(fd).st_size
+        tail = old_size
         new_entries: list[Entry] = []
         data_end = data.off + data.len
         for name, dtype, shape, payload in tensors:
@@ -151,11 +157,36 @@ def append(path: str | os.PathLike, tensors: Iterable[TensorSpec] = (),
                            sections=secs, header_hash=hash64(header_bytes), dir_hash=hash64(directory))
         packed = new_env.pack()
         assert len(packed) == ENVELOPE_SIZE
+        committing = True
         ops.pwrite(packed, 0)  # the commit point
         ops.fsync()
+    except OSError as exc:
+        if isinstance(exc, CmfError):
+            raise
+        if committing:
+            # The envelope write (or the fsync after it) failed: the sector holds the old or the
+            # new envelope (or, implausibly, a torn one that open() detects); the tail stays, as
+            # the new envelope may point at it.
+            raise io_error(exc, f"{path}: {{reason}} while committing the append (the envelope write); the "
+                                f"file holds the old or the new version, `cmf verify` tells") from None
+        _drop_tail(fd, old_size)
+        raise io_error(exc, f"{path}: {{reason}} while appending; the file is unchanged (its envelope still "
+                            f"points at the old sections; the partial tail was cut off)") from None
+    except BaseException:
+        if not committing:
+            _drop_tail(fd, old_size)
+        raise
     finally:
         os.close(fd)
     return new_entries
+
+
+def _drop_tail(fd: int, size: int) -> None:
+    """Cut the uncommitted tail of a failed append (best effort: it is dead bytes either way)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:  # pragma: no cover - an EIO device may refuse this too; the file still opens old
+        pass
 
 
 def compact(src: str | os.PathLike, dst: str | os.PathLike, *, verify_hashes: bool = True) -> Path:

@@ -33,7 +33,7 @@ from .constants import (
     Feature,
     DTYPE_BY_LABEL,
 )
-from ._atomic import apply_output_mode
+from ._atomic import apply_output_mode, check_writable, io_error
 from .directory import encode_directory
 from .dtypes import validate_payload
 from .envelope import Envelope, Section
@@ -276,6 +276,7 @@ class CmfWriter:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise WriterError(f"{self.path.parent}: output folder does not exist")
+        check_writable(self.path)  # a read-only folder fails here, before any tensor is encoded
         if max_shard_bytes is not None and max_shard_bytes <= 0:
             raise WriterError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.header: dict[str, Any] = copy.deepcopy(dict(header))
@@ -316,9 +317,16 @@ class CmfWriter:
         h = hash64(view)
         if hash is not None and hash != h:
             raise WriterError(f"tensor {name!r}: given hash {hash:016x} != hash64 of the payload {h:016x}")
-        spool = self._spool_for(len(view))
-        self._names.add(name)
-        return spool.add(name, dt, shape_t, view, h)
+        try:
+            spool = self._spool_for(len(view))
+            self._names.add(name)
+            return spool.add(name, dt, shape_t, view, h)
+        except OSError as exc:
+            if isinstance(exc, CmfError):
+                raise
+            self.abort()  # the temp files go now: a full disk gets its space back at once
+            raise io_error(exc, f"{self.path}: {{reason}} while writing tensor {name!r}; the target is "
+                                f"unchanged and no temporary file is left") from None
 
     def add_array(self, name: str, array: np.ndarray, dtype: Dtype | int | str = "f32", **options: Any) -> Entry:
         """Encode a float array as ``dtype`` (any codec of ``cmf.quant``) and add it."""
@@ -411,6 +419,12 @@ class CmfWriter:
                 self.outputs = [self.path]
             else:
                 self.outputs = self._finish_sharded(spools, sections)
+        except OSError as exc:
+            self.abort()
+            if isinstance(exc, CmfError):
+                raise
+            raise io_error(exc, f"{self.path}: {{reason}} while writing the file; the target is unchanged "
+                                f"and no temporary file is left") from None
         except BaseException:
             self.abort()
             raise

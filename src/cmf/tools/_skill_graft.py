@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..format.errors import CmfError
+from ..format._atomic import check_writable
 from ..format.growth import append
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
@@ -273,6 +274,8 @@ def add_skill(base: str | os.PathLike, donor: str | os.PathLike, skill_id: str, 
     out_path = base_path if in_place else Path(output)  # type: ignore[arg-type]
     if not in_place and out_path.exists() and out_path.resolve() == base_path.resolve():
         raise SkillError(f"{out_path}: -o would overwrite the base; use --in-place to grow it")
+    if base_path.exists() and out_path.parent.is_dir():  # missing ones: the errors below say so
+        check_writable(out_path, in_place=in_place)  # a read-only target fails before the graft
     if isinstance(prompts, (str, os.PathLike)):
         prompts = [ln.strip() for ln in Path(prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
     with ExitStack() as stack:
