@@ -29,6 +29,7 @@ from . import chat_route, completion_route
 from . import embeddings as emb
 from . import schemas as S
 from .engine import Engine
+from .filewatch import FileWatch
 from .structured import Grammars
 from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
 from .plumbing import (STREAM_INTERVAL, Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
@@ -57,6 +58,7 @@ class _Api:
         self.created = int(self.model.file.path.stat().st_mtime)
         self.info = self._info()
         self.grammars = Grammars(engine.tokenizer, self.vocab)  # llguidance's tokenizer, built on first use
+        self.watch = FileWatch(self.model.file.paths)  # truncated under the mapping: 503, not SIGBUS
 
     def _info(self) -> dict[str, Any]:
         """The model card's ``cmf`` block: what `cmf info --json` says, without server paths."""
@@ -199,7 +201,15 @@ class _Api:
 
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_id, "engine": self.engine.snapshot()})
+        state = self.watch.state()
+        body: dict[str, Any] = {"status": "ok", "model": self.model_id, "engine": self.engine.snapshot()}
+        if state != "ok":
+            body["file"] = state
+        try:
+            self.watch.check()
+        except S.RequestError as err:  # a supervisor polling /health sees the server must restart
+            return JSONResponse(dict(err.body(), **dict(body, status="unavailable")), status_code=503)
+        return JSONResponse(body)
 
     async def models(self, request: Request) -> Response:
         card = S.model_card(self.model_id, self.created, {"ctx_size": self.model.ctx_size, "tasks": self.model.tasks,
@@ -213,6 +223,7 @@ class _Api:
     async def tokenize(self, request: Request) -> Response:
         """The prompt tokens a chat (or completion) body would run with, against the context:
         what a client needs to pick a ``max_tokens`` the model can serve, without generating."""
+        self.watch.check()
         body = await read_json(request, self.max_body)
         parsed = S.parse_tokenize(body, vocab=self.vocab)
         req = parsed.request
@@ -225,12 +236,15 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         # tools, structured output, reasoning and n > 1 live in chat_route
+        self.watch.check()
         return await chat_route.chat(self, request)
 
     async def embeddings(self, request: Request) -> Response:
+        self.watch.check()
         return await emb.route(self, request)
 
     async def completions(self, request: Request) -> Response:
+        self.watch.check()
         body = await read_json(request, self.max_body)
         req = S.parse_completion(body, vocab=self.vocab)
         self._check_model(req.model)
