@@ -26,7 +26,8 @@ access_log = logging.getLogger("cmf.server.access")
 # A body over the cap is read and discarded up to this much before the 413, so that a client
 # still sending gets the answer instead of a connection reset; past it the connection is dropped.
 _DRAIN_LIMIT = 64 << 20
-_PUBLIC_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
+_PUBLIC_PATHS = ("/health",)
+BODY_TIMEOUT = 60.0  # seconds for a whole request body (4 MiB at 70 KB/s)  # answered without the API key (load balancers, probes)
 
 
 def error_response(err: S.RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -181,7 +182,17 @@ class Guard:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body parsed as JSON; 413 past ``limit`` bytes, 400 when not UTF-8 JSON."""
+    """The body parsed as JSON; 413 past ``limit`` bytes, 400 when not UTF-8 JSON, 408 when it
+    takes over BODY_TIMEOUT seconds to arrive (a client sending a byte a second holds nothing long)."""
+    try:
+        buf = await asyncio.wait_for(_read_body(request, limit), BODY_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise S.RequestError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s",
+                             code="request_timeout") from None
+    return _parse_body(buf)
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
     too_big = S.RequestError(413, f"request body larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -209,6 +220,10 @@ async def read_json(request: Request, limit: int) -> Any:
         buf.extend(chunk)
     if over:
         raise too_big
+    return buf
+
+
+def _parse_body(buf: bytearray) -> Any:
     if not buf:
         raise S.bad("the request body is empty: send a JSON object", None, "invalid_json")
     try:
@@ -238,8 +253,10 @@ class ServerThread:
 
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
+        from .protocol import GuardedH11Protocol
+
         config = uvicorn.Config(app, log_level=log_level, access_log=False, log_config=None, lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, http=GuardedH11Protocol)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="cmf-http", daemon=True)

@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         import uvicorn
 
+        from ..server.protocol import GuardedH11Protocol  # request-head deadline, JSON 400s
+
         config = uvicorn.Config(app, log_level=level, access_log=False, log_config=None, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=GuardedH11Protocol)
         try:
             uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a normal stop

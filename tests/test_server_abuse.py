@@ -1,0 +1,140 @@
+"""Regression tests for what benchmarks/server_abuse.py found (issue 28): the HTTP layer under
+hostile clients. A bare Starlette app behind ``ServerThread`` (no model needed).
+
+Found: a connection sending nothing, or a head one byte a second, was held forever (uvicorn
+arms its keep-alive timer only after a response); a head that arrived whole was taken at any
+size (64 KiB header line, 4,000 headers: 200); h11's malformed-request 400 was plain text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from starlette.applications import Starlette  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from cmf.server import plumbing  # noqa: E402
+from cmf.server import protocol as P  # noqa: E402
+from cmf.server.plumbing import ServerThread, error_response, read_json  # noqa: E402
+from cmf.server.schemas import RequestError  # noqa: E402
+
+
+async def echo(request: Request):
+    try:
+        return JSONResponse({"got": await read_json(request, 1 << 16)})
+    except RequestError as err:
+        return error_response(err)
+
+
+async def slow_stream(request: Request):
+    async def gen():
+        for i in range(6):
+            await asyncio.sleep(0.25)
+            yield f"data: {i}\n\n"
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+APP = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", slow_stream),
+                        Route("/ok", lambda r: JSONResponse({"ok": True}))])
+
+
+@pytest.fixture()
+def server(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(P.GuardedH11Protocol, "head_timeout", 0.5)
+    monkeypatch.setattr(plumbing, "BODY_TIMEOUT", 0.5)
+    with ServerThread(APP) as s:
+        yield s
+
+
+def exchange(s: ServerThread, data: bytes, wait: float = 10.0) -> tuple[int, dict | bytes]:
+    with socket.create_connection((s.host, s.port), timeout=wait) as sock:
+        sock.sendall(data)
+        buf = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head else 0
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body
+
+
+def assert_openai_error(body, code: str) -> None:
+    assert isinstance(body, dict) and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code and body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /ok HTTP/1.1\r\nHost: x\r\nX-Junk: " + b"a" * 65536 + b"\r\n\r\n",
+    b"GET /ok HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(4000)) + b"\r\n",
+    b"GET /ok HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(P.MAX_HEADERS + 1)) + b"\r\n",
+])
+def test_oversized_heads_get_431(server, head: bytes) -> None:
+    status, body = exchange(server, head)
+    assert status == 431
+    assert_openai_error(body, "headers_too_large")
+
+
+def test_heads_at_the_bounds_are_served(server) -> None:
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(P.MAX_HEADERS - 2))  # + Host + Connection
+    status, body = exchange(server, b"GET /ok HTTP/1.1\r\nHost: x\r\n" + many + b"Connection: close\r\n\r\n")
+    assert status == 200 and body == {"ok": True}
+    line = b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Junk: "
+    pad = P.MAX_HEAD_BYTES - len(line)
+    status, body = exchange(server, line + b"a" * pad + b"\r\n\r\n")
+    assert status == 200
+
+
+def test_malformed_request_is_a_json_400(server) -> None:
+    status, body = exchange(server, b"GARBAGE \x00\x01\r\n\r\n")
+    assert status == 400
+    assert_openai_error(body, "invalid_http_request")
+
+
+def test_idle_connection_is_dropped_after_the_head_deadline(server) -> None:
+    t0 = time.monotonic()
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        assert sock.recv(100) == b""  # closed by the server, no answer to a request never sent
+    assert 0.4 < time.monotonic() - t0 < 3.0
+
+
+def test_slow_head_gets_408(server) -> None:
+    t0 = time.monotonic()
+    status, body = exchange(server, b"GET /ok HTTP/1.1\r\nHo")
+    assert status == 408 and 0.4 < time.monotonic() - t0 < 3.0
+    assert_openai_error(body, "request_timeout")
+
+
+def test_slow_body_gets_408(server) -> None:
+    status, body = exchange(server, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    b"Content-Length: 10\r\n\r\n{")
+    assert status == 408
+    assert_openai_error(body, "request_timeout")
+
+
+def test_a_long_answer_is_not_cut_by_the_deadline(server) -> None:
+    status, body = exchange(server, b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status == 200 and isinstance(body, bytes) and body.count(b"data: ") == 6
+
+
+def test_keep_alive_request_after_a_response_is_served(server) -> None:
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = sock.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)  # under the 0.5 s deadline each time: the timer restarts per request
