@@ -298,3 +298,25 @@ def test_residual_matches_hidden_path(w):
         r = m.residual(ids, len(m.plan.layers) - 1)
         h = m.hidden(ids, m.new_cache())
         np.testing.assert_allclose(rms_norm_prepared(r, m._final_norm, m.plan.eps), h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "read_only"])
+def test_in_place_fault_leaves_the_base_and_no_temp_files(w, tmp_path, monkeypatch, fault):
+    from _faults import Faults, snapshot
+    from cmf.format.errors import IoError
+
+    path = tmp_path / "b.cmf"
+    shutil.copy(w / "base.cmf", path)
+    before = snapshot(tmp_path)
+    grafted = []
+    real = _skill_graft._graft
+    monkeypatch.setattr(_skill_graft, "_graft", lambda *a, **k: grafted.append(1) or real(*a, **k))
+    Faults(monkeypatch, tmp_path, budget=1000 if fault == "disk_full" else None, readonly=fault == "read_only")
+    with pytest.raises(IoError, match="no space left|Read-only file system"):
+        add_skill(path, w / "da", "rust", in_place=True)
+    monkeypatch.undo()
+    if fault == "read_only":
+        assert grafted == []  # fails before the donor is converted or any tensor grafted
+    assert snapshot(tmp_path) == before and [p.name for p in tmp_path.iterdir()] == ["b.cmf"]
+    with cmf.open(path) as f:
+        assert not f.verify() and not f.skills
