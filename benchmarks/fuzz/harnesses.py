@@ -11,6 +11,7 @@ project's own writers. ``benchmarks/fuzz_campaign.py`` runs them; ``run_one.py``
 | codecs | each codec's decoder and fused kernel on payloads of valid length | ``CmfError`` |
 | skill | a standalone skill file: ``cmf.open`` and ``skill apply`` onto a fixed base | ``CmfError`` |
 | gguf | the GGUF scan of ``cmf import-gguf`` (header, metadata, array lengths, tensor infos) | ``CmfError`` |
+| tokenizer | the tokenizer bundle (the vocab section's tokenizer.json): build, encode, decode, stream-decode | ``CmfError`` |
 | template | the tokenizer bundle's chat template in the sandbox (bounded time and output) | ``ChatTemplateError`` |
 | http | the OpenAI request validators (chat, completions, tokenize, tools, response_format) | ``RequestError`` |
 """
@@ -211,6 +212,37 @@ def gguf_one(data: bytes) -> None:
         pass
 
 
+# ----------------------------------------------------------------------------------- tokenizer bundle
+
+
+def tokenizer_seeds(folder: Path) -> list[bytes]:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4, "Ġ": 5}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    wl = Tokenizer(models.WordLevel(vocab={"hi": 0, "there": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    return [tok.to_str().encode(), wl.to_str().encode()]
+
+
+def tokenizer_one(data: bytes) -> None:
+    """The vocab section as ``cmf.load`` reads it: build, encode, decode, stream-decode."""
+    from cmf.format.errors import CmfError
+    from cmf.runtime.tokenizer import tokenizer_from_json
+
+    try:
+        tok = tokenizer_from_json(data)
+        ids = tok.encode("ab hi there ab\n", add_special_tokens=True)
+        tok.decode(ids)
+        sd = tok.stream_decoder()
+        for i in ids[:16] + [0, 1, max(tok.vocab_size - 1, 0)]:
+            sd.step(i)
+        tok.id_to_token(0)
+    except CmfError:
+        pass
+
+
 # ----------------------------------------------------------------------------------- chat templates
 
 _TEMPLATE_SECONDS = 2.0
@@ -290,6 +322,7 @@ HARNESSES: dict[str, tuple[Callable[[Path], list[bytes]], Callable[[bytes], None
     "codecs": (codecs_seeds, codecs_one),
     "skill": (skill_seeds, skill_one),
     "gguf": (gguf_seeds, gguf_one),
+    "tokenizer": (tokenizer_seeds, tokenizer_one),
     "template": (template_seeds, template_one),
     "http": (http_seeds, http_one),
 }

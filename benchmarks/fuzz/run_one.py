@@ -48,6 +48,7 @@ def main() -> None:
         import cmf.convert.gguf_scan  # noqa: F401
         import cmf.runtime.chat  # noqa: F401
         import cmf.runtime.chat_sandbox  # noqa: F401
+        import cmf.runtime.tokenizer  # noqa: F401
         import cmf.server.schemas  # noqa: F401
         import cmf.server.structured  # noqa: F401
         import cmf.server.tools_calls  # noqa: F401

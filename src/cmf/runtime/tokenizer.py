@@ -10,7 +10,22 @@ import json
 import logging
 from pathlib import Path
 
+from ..format.errors import CmfError
+
 log = logging.getLogger(__name__)
+
+
+class TokenizerError(CmfError):
+    """The tokenizer bundle (the vocab section's or a sidecar tokenizer.json) cannot be loaded."""
+
+
+def _typed(exc: BaseException, what: str) -> BaseException:
+    """The TokenizerError for a failure inside the tokenizers library. Its errors are bare
+    ``Exception``s, and a Rust panic (a tokenizer.json the library accepts but cannot run, found
+    by fuzzing) arrives as pyo3's ``PanicException``, a BaseException; Ctrl-C and exits pass."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)):
+        return exc
+    return TokenizerError(f"{what}: {type(exc).__name__ if not str(exc) else str(exc)[:200]}")
 
 
 class Tokenizer:
@@ -28,12 +43,18 @@ class Tokenizer:
         (e.g. a llama/gemma BOS), exactly as ``tokenizer(text)`` does in transformers."""
         if self.backend is None:
             return list(text.encode("utf-8"))
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as exc:  # noqa: BLE001 - e.g. a WordLevel model whose unk token is not in its vocab
+            raise _typed(exc, f"{self.source} tokenizer cannot encode") from None
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         if self.backend is None:
             return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except BaseException as exc:  # noqa: BLE001 - the library's bare Exception (a decoder the file misconfigures)
+            raise _typed(exc, f"{self.source} tokenizer cannot decode") from None
 
     def token_to_id(self, token: str) -> int | None:
         return None if self.backend is None else self.backend.token_to_id(token)
@@ -65,7 +86,10 @@ class StreamDecoder:
     def step(self, token_id: int) -> str:
         """Text completed by ``token_id`` ("" while a multi-token character is incomplete)."""
         if self._stream is not None:
-            out = self._stream.step(self.tok.backend, int(token_id))
+            try:
+                out = self._stream.step(self.tok.backend, int(token_id))
+            except BaseException as exc:  # noqa: BLE001 - as in Tokenizer.decode
+                raise _typed(exc, f"{self.tok.source} tokenizer cannot decode") from None
             return out or ""
         if token_id < 256:
             self._pending.append(token_id)
@@ -92,8 +116,18 @@ def tokenizer_from_json(data: bytes | str, *, bundle=None, source: str = "embedd
     """Build the runtime tokenizer from tokenizer.json bytes and the header's chat bundle."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
-    backend = HFTokenizer.from_str(text)
+    try:
+        text = bytes(data).decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{source} tokenizer.json is not UTF-8 (byte {exc.start})") from None
+    try:
+        backend = HFTokenizer.from_str(text)
+    except BaseException as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on bad input
+        raise _typed(exc, f"{source} tokenizer.json is not a valid tokenizer") from None
+    try:  # one probe: a tokenizer the library builds but cannot run fails here, at load, not mid-request
+        backend.encode("a", add_special_tokens=True)
+    except BaseException as exc:  # noqa: BLE001 - see _typed
+        raise _typed(exc, f"{source} tokenizer.json builds but cannot encode") from None
     eos = set(bundle.eos_token_ids) if bundle is not None and bundle.eos_token_ids else set()
     eos |= _special_ids(backend, ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "<end_of_turn>"))
     bos = bundle.bos_token_id if bundle is not None else None
@@ -103,7 +137,7 @@ def tokenizer_from_json(data: bytes | str, *, bundle=None, source: str = "embedd
             single = post.get("single") or []
             first = single[0].get("SpecialToken", {}).get("id") if single else None
             bos = backend.token_to_id(first) if first else None
-        except (ValueError, AttributeError, IndexError):
+        except (ValueError, AttributeError, IndexError, KeyError, TypeError):  # any shape but the expected one
             bos = None
     return Tokenizer(backend, eos_ids=eos, bos_id=bos, source=source)
 
