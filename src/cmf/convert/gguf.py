@@ -265,8 +265,15 @@ def _rope_freqs(path: str | os.PathLike[str]) -> list[float] | None:
 def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant: str = "q8", *,
                 tokenizer: str | os.PathLike[str] | None = None, **convert_options: Any):
     """Convert a GGUF file into a CMF file (see the module docstring); returns the ConvertResult."""
-    from .hf import execute, plan
+    from .hf import attach_calibration, execute, plan
 
+    calib = convert_options.pop("calib", None)
+    calib_tokens = convert_options.pop("calib_tokens", None)
+    calib_progress = convert_options.pop("calib_progress", None)
+    if calib is not None:
+        from .calibrate import check_text
+
+        check_text(calib)  # before the import's work
     out = Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-import-", dir=out.parent if out.parent.is_dir() else None))
     try:
@@ -278,6 +285,9 @@ def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant
         prov = p.header["provenance"]
         # record the GGUF file, not the temporary folder (also keeps the output deterministic)
         prov.update(source_model=Path(path).name, source_format="gguf")
+        if calib is not None:
+            attach_calibration(p, tmp, calib, out.parent if out.parent.is_dir() else Path("."),
+                               tokens=calib_tokens, progress=calib_progress)
         result = execute(p, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

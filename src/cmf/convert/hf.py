@@ -73,6 +73,7 @@ class Plan:
     dropped: list[str]
     route_counts: dict[int, list[float]] | None = None
     shard_max_bytes: int | None = None
+    calibration: Any = None  # a cmf.calib.Calibration: activation-aware encoding (convert/calibrate.py)
 
     @property
     def source_bytes(self) -> int:
@@ -393,7 +394,7 @@ def _vbit_biases(plan: Plan, members: list[PlanItem]) -> dict[str, float]:
     return {it.name: b for it, b in zip(members, biases)}
 
 
-def _encode(arr: np.ndarray, choice: Choice, bias: float | None) -> tuple[Any, Dtype]:
+def _encode(arr: np.ndarray, choice: Choice, bias: float | None, stats: Any = None) -> tuple[Any, Dtype]:
     from .. import quant
 
     dtype = quant.resolve_dtype(choice.dtype)
@@ -412,6 +413,10 @@ def _encode(arr: np.ndarray, choice: Choice, bias: float | None) -> tuple[Any, D
     opts = dict(choice.options)
     if bias is not None:
         opts["bias"] = bias
+    if stats is not None:  # calibration statistics of this matrix (cmf.calib)
+        from .. import calib
+
+        return calib.encode(arr, dtype, stats, **opts), dtype
     return quant.encode(arr, dtype, **opts), dtype
 
 
@@ -420,7 +425,8 @@ def _produce(plan: Plan, it: PlanItem, bias: float | None) -> tuple[Any, Dtype]:
     arr = plan.checkpoint.read(it.source, it.cut)
     if it.choice.dtype not in ("f32", "f16", "bf16") and not np.isfinite(arr).all():
         raise ConvertError(f"tensor {it.source!r} holds NaN or infinity; cannot quantize it")
-    return _encode(arr, it.choice, bias)
+    stats = plan.calibration.get(it.name) if plan.calibration is not None else None
+    return _encode(arr, it.choice, bias, stats)
 
 
 def _f32_bytes(it: PlanItem) -> int:
@@ -519,13 +525,17 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
             attn_quant: str | None = None, mean_bits: float | None = None,
             route_stats: str | os.PathLike[str] | None = None, shard_max_gb: float | None = None,
             dry_run: bool = False, revision: str | None = None,
-            progress: Callable[[int], None] | None = None) -> ConvertResult | Plan:
+            progress: Callable[[int], None] | None = None, calib: str | os.PathLike[str] | None = None,
+            calib_tokens: int | None = None,
+            calib_progress: Callable[[int], None] | None = None) -> ConvertResult | Plan:
     """Convert a Hugging Face checkpoint (local folder or hub id) into a CMF file.
 
     ``quant``: f32, f16, bf16, q8, q8_2f, q4, q4t, q4tp, q2tp (profile), vbit, q1, q1p, q1s, q1t;
     ``attn_quant``: a different quant for attention projections; ``mean_bits``: the vbit budget;
     ``route_stats``: JSON ``{layer: [selection count per expert]}`` for vbit MoE allocation;
-    ``shard_max_gb``: split the output into shards of at most this many GB.
+    ``shard_max_gb``: split the output into shards of at most this many GB; ``calib``: a text the
+    model is run on first, for activation-aware encoding (convert/calibrate.py; ``calib_tokens``
+    caps the tokens used, ``calib_progress(n)`` gets the tokens of each window done).
     With ``dry_run`` nothing is written and the :class:`Plan` is returned; otherwise a
     :class:`ConvertResult`.
     """
@@ -537,4 +547,25 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
         p.close()
         return p
     assert out is not None
+    if calib is not None:
+        attach_calibration(p, model, calib, Path(out).parent, revision=revision, tokens=calib_tokens,
+                           progress=calib_progress)
     return execute(p, out, progress)
+
+
+def attach_calibration(p: Plan, source: str | os.PathLike[str], text: str | os.PathLike[str], work_dir: Path, *,
+                       revision: str | None = None, tokens: int | None = None,
+                       progress: Callable[[int], None] | None = None) -> None:
+    """Collect calibration statistics of ``source`` on ``text`` into the plan (and its provenance)."""
+    from .. import calib as _calib
+    from .calibrate import calibrate_source
+
+    try:
+        extra = {k: v for k, v in p.header["arch"].items() if k == "rope_freq_factors"}
+        cal = calibrate_source(source, text, work_dir, revision=revision, arch_extra=extra,
+                               tokens=tokens or _calib.DEFAULT_MAX_TOKENS, progress=progress)
+    except BaseException:
+        p.close()
+        raise
+    p.calibration = cal
+    p.header["provenance"]["options"]["calib"] = cal.provenance()

@@ -63,6 +63,17 @@ def _raw_bits(a: np.ndarray, mb: np.float32) -> np.ndarray:
     return mb + (a - np.float32(amean))
 
 
+def _input_gain(importance: np.ndarray, cols: int) -> np.ndarray:
+    """sqrt(importance / mean importance) per input feature (validated)."""
+    imp = np.asarray(importance, np.float64).reshape(-1)
+    if imp.size != cols:
+        raise ValueError(f"importance has {imp.size} values; the matrix has {cols} input features")
+    if not np.isfinite(imp).all() or (imp < 0).any():
+        raise ValueError("importance must be finite and non-negative")
+    m = imp.mean()
+    return (np.sqrt(imp / m) if m > 0 else np.ones(cols)).astype(np.float32)
+
+
 def row_widths(w: np.ndarray, mean_bits: float = 4.25, bias: float = 0.0) -> np.ndarray:
     """Per-row widths of a 2-D matrix by water-filling toward ``mean_bits`` (+ a family bias)."""
     raw = _raw_bits(row_log_amplitude(w), mean_bits_value(mean_bits)) + np.float32(bias)
@@ -142,12 +153,17 @@ class VbitCodec(Codec):
     id = Dtype.VBIT
     row_offsets = False
 
-    def encode(self, array: np.ndarray, mean_bits: float = 4.25, bias: float = 0.0) -> bytes:
-        """Encode a 2-D matrix (``in % 32 == 0``) at a mean budget of ``mean_bits`` (clamped 3..8)."""
+    def encode(self, array: np.ndarray, mean_bits: float = 4.25, bias: float = 0.0,
+               importance: np.ndarray | None = None) -> bytes:
+        """Encode a 2-D matrix (``in % 32 == 0``) at a mean budget of ``mean_bits`` (clamped 3..8).
+
+        ``importance`` (per input feature, e.g. mean x² from calibration): the widths are
+        water-filled over the rows' amplitudes as the inputs see them, max |w|·sqrt(importance)."""
         w = as_f32(array)
         rows, cols = require_2d(self.id, w.shape)
         gpr = cols // GROUP
-        widths = row_widths(w, mean_bits, bias) if rows else np.zeros(0, np.uint8)
+        amp_of = w if importance is None else w * _input_gain(importance, cols)[None, :]
+        widths = row_widths(amp_of, mean_bits, bias) if rows else np.zeros(0, np.uint8)
         row_bytes = _row_bytes(widths, cols)
         starts = np.concatenate([[0], np.cumsum(row_bytes)]).astype(np.int64)
         packed = np.zeros(int(starts[-1]), np.uint8)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import fmt_bytes, fmt_count, print_json, sanitize, table
+from ._calib_args import add_calib_arguments, calib_progress
 
 NAME = "convert"
 SUMMARY = "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"
@@ -54,6 +56,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--shard-max-gb", type=float, metavar="N", help="split the output into shards of at most N GB")
     p.add_argument("--dry-run", action="store_true", help="print the plan (tensor -> dtype, sizes); write nothing")
     p.add_argument("--revision", metavar="R", help="hub revision (branch, tag or commit)")
+    add_calib_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -83,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                    file=sys.stderr, leave=False)
     try:
+        if args.calib is not None:
+            with calib_progress(args) as cal_bar:
+                hf.attach_calibration(plan, args.model, args.calib, Path(args.output).parent, revision=args.revision,
+                                      tokens=args.calib_tokens, progress=cal_bar)
         result = hf.execute(plan, args.output, progress=bar.update if bar is not None else None)
     finally:
         if bar is not None:

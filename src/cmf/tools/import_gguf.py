@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from . import fmt_bytes, print_json, sanitize
+from ._calib_args import add_calib_arguments, calib_progress
 
 NAME = "import-gguf"
 SUMMARY = "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"
@@ -22,6 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="use this tokenizer.json (the model's Hugging Face one; its vocabulary must match "
                    "the GGUF's tokens) instead of synthesizing one from the GGUF vocabulary: needed when "
                    "tokenizer.ggml.pre is a name pycmf does not know or the vocabulary is not byte-level BPE")
+    add_calib_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
     return p
@@ -30,7 +32,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ..convert.gguf import import_gguf
 
-    res = import_gguf(args.file, args.output, args.quant, tokenizer=args.tokenizer)
+    with calib_progress(args) as cal_bar:
+        res = import_gguf(args.file, args.output, args.quant, tokenizer=args.tokenizer, calib=args.calib,
+                          calib_tokens=args.calib_tokens, calib_progress=cal_bar)
     paths = [str(p) for p in res.paths]
     data = {"files": paths, "tensors": res.tensors, "bytes": res.bytes}
     if args.json:

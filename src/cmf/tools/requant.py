@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import fmt_bytes, print_json, sanitize, table
+from ._calib_args import add_calib_arguments, calib_progress
 
 log = logging.getLogger(__name__)
 
@@ -94,29 +95,42 @@ def _checked_view(path: Path, t) -> np.ndarray:  # noqa: ANN001
     return view
 
 
-def _reencode(t, view: np.ndarray, choice) -> bytes:  # noqa: ANN001
-    from .. import quant
+def _reencode(t, view: np.ndarray, choice, cal=None) -> bytes:  # noqa: ANN001
+    from .. import calib, quant
 
     w = quant.decode(view, t.dtype, t.shape)
+    if cal is not None:
+        return calib.encode(w, choice.dtype, cal.get(t.name), **choice.options)
     return quant.encode(w, choice.dtype, **choice.options)
 
 
 def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, quant: str,
             include: Sequence[str] = (), exclude: Sequence[str] = (), in_place: bool = False,
-            mean_bits: float | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            mean_bits: float | None = None, progress: Callable[[int], None] | None = None,
+            calib: str | os.PathLike | None = None, calib_tokens: int | None = None,
+            calib_progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Re-encode the matrices of ``src`` as ``quant`` into ``dst`` (or in place); returns a report.
 
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
-    bytes of each source tensor processed. Raises WriterError when ``--in-place`` payloads do not
-    fit, HashMismatch for a corrupt source, ShardError for an in-place shard set.
+    bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
+    activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
+    Raises WriterError when ``--in-place`` payloads do not fit, HashMismatch for a corrupt
+    source, ShardError for an in-place shard set, CalibrationError for an unusable text.
     """
     from ..format.errors import WriterError
 
     if in_place == (dst is not None):
         raise WriterError("give exactly one of an output path (-o) and --in-place")
+    cal = None
+    if calib is not None:
+        from .. import calib as _calib
+        from ..convert.calibrate import check_text
+
+        cal = _calib.collect(src, check_text(calib), max_tokens=calib_tokens or _calib.DEFAULT_MAX_TOKENS,
+                             progress=calib_progress)
     if in_place:
-        return _in_place(Path(src), quant, include, exclude, mean_bits, progress)
-    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress)
+        return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
+    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal)
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
@@ -134,7 +148,7 @@ def _summary(src: Path, out: Path, quant: str, entries: list[dict[str, Any]], mo
             "bytes_after": sum(e["bytes_after"] for e in entries), "entries": entries}
 
 
-def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress) -> dict[str, Any]:
+def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress, cal=None) -> dict[str, Any]:
     from ..format.errors import WriterError
     from ..format.reader import open as cmf_open
     from ..format.writer import CmfWriter
@@ -146,6 +160,8 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
         policy = _policy(quant, f.keys(), mean_bits)
         header = f.header.to_dict()
         header.pop("shard", None)
+        if cal is not None and isinstance(header.get("provenance"), dict):
+            header["provenance"].setdefault("options", {})["calib"] = cal.provenance()
         with CmfWriter(dst, header) as w:
             for t in f.tensors():
                 view = _checked_view(src, t)
@@ -154,7 +170,7 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
                     w.add(t.name, t.dtype, t.shape, view, hash=t.hash)
                     entries.append(_entry(t, None, None, reason))
                 else:
-                    payload = _reencode(t, view, choice)
+                    payload = _reencode(t, view, choice, cal)
                     w.add(t.name, choice.dtype, t.shape, payload)
                     entries.append(_entry(t, choice, len(payload), reason))
                 if progress is not None:
@@ -171,7 +187,7 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
     return _summary(src, dst, quant, entries, "rewrite", str(qt))
 
 
-def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress) -> dict[str, Any]:
+def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress, cal=None) -> dict[str, Any]:
     from ..format.constants import QUANT_2F_DTYPES, Feature
     from ..format.directory import RECORD_DTYPE
     from ..format.errors import ShardError, WriterError
@@ -200,7 +216,7 @@ def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress) -> 
                 if choice is None:
                     entries.append(_entry(t, None, None, reason))
                 else:
-                    payload = _reencode(t, view, choice)
+                    payload = _reencode(t, view, choice, cal)
                     n = len(payload)
                     entries.append(_entry(t, choice, n, reason))
                     if n > t.nbytes:
@@ -303,6 +319,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--in-place", action="store_true",
                    help="overwrite the payloads in their slots (refused, with the reason, unless all fit)")
     p.add_argument("--mean-bits", type=float, metavar="N", help="vbit budget in bits per weight (3..8, default 4.25)")
+    add_calib_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -319,9 +336,11 @@ def run(args: argparse.Namespace) -> int:
 
         bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="requant", file=sys.stderr, leave=False)
     try:
-        d = requant(args.model, args.output, quant=args.quant, include=args.include, exclude=args.exclude,
-                    in_place=args.in_place, mean_bits=args.mean_bits,
-                    progress=bar.update if bar is not None else None)
+        with calib_progress(args) as cal_bar:
+            d = requant(args.model, args.output, quant=args.quant, include=args.include, exclude=args.exclude,
+                        in_place=args.in_place, mean_bits=args.mean_bits,
+                        progress=bar.update if bar is not None else None, calib=args.calib,
+                        calib_tokens=args.calib_tokens, calib_progress=cal_bar)
     finally:
         if bar is not None:
             bar.close()

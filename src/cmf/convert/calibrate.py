@@ -1,0 +1,61 @@
+"""``--calib TEXT`` for ``convert`` and ``import-gguf``: statistics from the source model itself.
+
+The source (a Hugging Face folder) is first written as an f16 CMF file beside the output (a
+temporary file, removed afterwards: it needs 2 bytes per parameter of disk for the duration),
+the runtime runs it over the calibration text (:func:`cmf.calib.collect`), and the real
+conversion then encodes every decoder matrix with its statistics (:func:`cmf.calib.encode`).
+``requant`` needs no such step: its input is already a CMF model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .. import calib
+from .errors import ConvertError
+
+log = logging.getLogger(__name__)
+
+
+def check_text(text: str | os.PathLike) -> Path:
+    """Fail before any work when the calibration text is missing, a folder, unreadable or empty."""
+    path = Path(text)
+    if not path.exists():
+        raise calib.CalibrationError(f"{path}: calibration text not found")
+    if path.is_dir():
+        raise calib.CalibrationError(f"{path}: is a folder; give a text file")
+    if not os.access(path, os.R_OK):
+        raise calib.CalibrationError(f"{path}: calibration text is not readable")
+    if path.stat().st_size == 0:
+        raise calib.CalibrationError(f"{path}: calibration text is empty")
+    return path
+
+
+def calibrate_source(source: str | os.PathLike, text: str | os.PathLike, work_dir: Path, *,
+                     revision: str | None = None, tokens: int = calib.DEFAULT_MAX_TOKENS,
+                     window: int = calib.DEFAULT_WINDOW, arch_extra: dict | None = None,
+                     progress: Callable[[int], None] | None = None) -> calib.Calibration:
+    """Calibration statistics of the Hugging Face model ``source`` on ``text`` (see the module).
+
+    ``arch_extra``: header ``arch`` keys the real conversion adds to its plan (import-gguf's
+    ``rope_freq_factors``), so the calibrated model is the one being written."""
+    from .hf import execute, plan
+
+    text = check_text(text)
+    if not work_dir.is_dir():
+        raise ConvertError(f"{work_dir}: output folder does not exist")
+    fd, name = tempfile.mkstemp(prefix=".calib-", suffix=".cmf", dir=work_dir)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        log.info("calibration: writing the source at f16 to %s", tmp)
+        p = plan(source, "f16", revision=revision)
+        p.header["arch"].update(arch_extra or {})
+        execute(p, tmp)
+        return calib.collect(tmp, text, window=window, max_tokens=tokens, progress=progress)
+    finally:
+        tmp.unlink(missing_ok=True)

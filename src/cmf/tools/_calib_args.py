@@ -1,0 +1,34 @@
+"""``--calib TEXT`` / ``--calib-tokens N`` for convert, import-gguf and requant, and their progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Callable, Iterator
+
+from ..calib import DEFAULT_MAX_TOKENS, MIN_TOKENS
+
+
+def add_calib_arguments(p: argparse.ArgumentParser) -> None:
+    """The calibration options (docs/QUANT.md)."""
+    p.add_argument("--calib", metavar="TEXT",
+                   help="a UTF-8 text the model is run on first: each matrix is then encoded for the inputs it "
+                        f"sees (importance-weighted scales, GPTQ rounding); at least {MIN_TOKENS} tokens")
+    p.add_argument("--calib-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"calibration tokens read from the text (default {DEFAULT_MAX_TOKENS})")
+
+
+@contextlib.contextmanager
+def calib_progress(args: argparse.Namespace) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar over the calibration tokens when stderr is a terminal (else None)."""
+    if getattr(args, "calib", None) is None or not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.calib_tokens, unit=" tok", desc="calibrate", file=sys.stderr, leave=False)
+    try:
+        yield bar.update
+    finally:
+        bar.close()

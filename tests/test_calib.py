@@ -1,0 +1,233 @@
+"""Calibration (cmf.calib, --calib): statistics from a real run, GPTQ rounding, bytes, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cmf
+import cmf.quant as q
+from cmf import calib
+from cmf.calib import feedback
+from cmf.calib.encoding import element_scales
+from cmf.calib.stats import InputStats
+from cmf.format.constants import GROUP
+from cmf.format.reader import open as cmf_open
+from cmf.format.writer import CmfWriter
+
+from _builders import header
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+BASE = SHARED / "base"
+CALIB_TEXT = SHARED / "texts" / "man-calib.txt"
+needs_shared = pytest.mark.skipif(not (BASE / "model.safetensors").exists() or not CALIB_TEXT.exists(),
+                                  reason="../shared/models (base model and texts) not present")
+
+FEEDBACK_DTYPES = ["q4_block", "q4_tiled", "q4tp", "q2tp", "q8_row"]
+
+
+def loud_inputs(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A weight matrix and calibration inputs with a few loud, correlated input channels."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((2048, cols)).astype(np.float32)
+    loud = rng.choice(cols, 6, replace=False)
+    x[:, loud] *= 12
+    x[:, 1] = x[:, 0] * 0.9 + 0.1 * x[:, 1]  # correlated pair: what only the full Hessian sees
+    return w, x
+
+
+def stats_of(x: np.ndarray) -> InputStats:
+    st = InputStats(x.shape[1], np.zeros((x.shape[1],) * 2, np.float32), members={"w"})
+    st.add(x)
+    return st
+
+
+def out_err(w: np.ndarray, data: bytes, dtype: str, x: np.ndarray) -> float:
+    got = q.decode(data, dtype, w.shape)
+    return float(np.square(x @ (got - w).T.astype(np.float64)).sum())
+
+
+@pytest.mark.parametrize("dtype", FEEDBACK_DTYPES)
+def test_calibrated_encoding_cuts_output_error_with_valid_bytes(dtype, tmp_path):
+    w, x = loud_inputs(48, 256, 1)
+    st = stats_of(x)
+    plain = q.encode(w, dtype)
+    imp_only = q.encode(w, dtype, importance=st.importance()) if dtype != "q8_row" else plain
+    got = calib.encode(w, dtype, st)
+    q.get_codec(dtype).validate(got, w.shape)
+    assert len(got) == len(plain)
+    e_plain, e_imp, e_cal = (out_err(w, d, dtype, x) for d in (plain, imp_only, got))
+    # (8 bits leave little to feed back: the gain is smaller there)
+    assert e_cal < (0.95 if dtype == "q8_row" else 0.8) * e_plain, (e_cal, e_plain)
+    assert e_cal < e_imp or dtype == "q8_row" and e_cal < e_plain
+    # the scales are the importance-weighted encoder's, only the levels moved
+    np.testing.assert_array_equal(element_scales(got, q.resolve_dtype(dtype), w.shape),
+                                  element_scales(imp_only, q.resolve_dtype(dtype), w.shape))
+    # the strict reader opens it and decodes the same values as the codec
+    path = tmp_path / "m.cmf"
+    with CmfWriter(path, header()) as wr:
+        wr.add("w", q.resolve_dtype(dtype), w.shape, got)
+    with cmf_open(path) as f:
+        assert f.verify() == []
+        np.testing.assert_array_equal(f.array("w"), q.decode(got, dtype, w.shape))
+
+
+def test_gptq_levels_are_levels_of_the_dtype():
+    w, x = loud_inputs(16, 128, 2)
+    st = stats_of(x)
+    s = np.full(w.shape, 0.01, np.float32)
+    s[3, :32] = 0  # a zero-scale group gets level 0
+    for kind, allowed in (("q4", np.arange(-8, 8)), ("q8", np.arange(-128, 128)),
+                          ("q2", np.array([-1.5, -0.5, 0.5, 1.5]))):
+        lv = feedback.gptq_levels(w, s, st.mean_hessian(), kind)
+        assert np.isin(lv[s != 0], allowed).all()
+        assert (lv[s == 0] == 0).all()
+
+
+def test_plain_rounding_when_the_hessian_is_identity():
+    # with H = I, error feedback has nothing to spread: GPTQ is round-to-nearest
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 64))
+    s = np.full(w.shape, 0.3)
+    lv = feedback.gptq_levels(w, s, np.eye(64), "q4", act_order=False)
+    np.testing.assert_array_equal(lv, feedback.round_levels(w, s, "q4"))
+
+
+def test_q2tp_zero_rung_groups_keep_their_canonical_bytes():
+    w, x = loud_inputs(8, 128, 4)
+    w[2, 64:96] = 0  # a dead group: rung 0
+    got = calib.encode(w, "q2tp", stats_of(x))
+    planes, _, _ = q.get_codec("q2tp").split(got, w.shape)
+    assert (planes[2, 2] == 0xAA).all()
+    assert (q.decode(got, "q2tp", w.shape)[2, 64:96] == 0).all()
+
+
+def test_q1t_and_vbit_take_the_importance():
+    w, x = loud_inputs(32, 256, 5)
+    st = stats_of(x)
+    # q1t: the overlay and scales follow |W|·RMS(x): output error below the plain encoding's
+    assert out_err(w, calib.encode(w, "q1t", st), "q1t", x) < out_err(w, q.encode(w, "q1t"), "q1t", x)
+    # vbit: a uniform importance changes nothing; a skewed one moves bits between rows
+    np.testing.assert_array_equal(np.frombuffer(q.encode(w, "vbit", importance=np.ones(256)), np.uint8),
+                                  np.frombuffer(q.encode(w, "vbit"), np.uint8))
+    w[:16, :8] *= 4  # rows 0..15 are loud only on inputs 0..7
+    imp = np.ones(256, np.float32)
+    imp[:8] = 1e-4  # ... which calibration never excites
+    plain_bits = np.frombuffer(q.encode(w, "vbit"), np.uint8)[:32]
+    imp_bits = np.frombuffer(q.encode(w, "vbit", importance=imp), np.uint8)[:32]
+    assert imp_bits[:16].mean() < plain_bits[:16].mean()
+    with pytest.raises(ValueError, match="importance has 3 values"):
+        q.encode(w, "vbit", importance=np.ones(3))
+
+
+def test_without_statistics_encoding_is_plain():
+    w, _ = loud_inputs(8, 64, 6)
+    for dtype in ("q4tp", "q8_row", "f16"):
+        assert calib.encode(w, dtype, None) == q.encode(w, dtype)
+
+
+# -- statistics from a real model run -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_f32(tmp_path_factory):
+    if not (BASE / "model.safetensors").exists():
+        pytest.skip("../shared/models/base not present")
+    from cmf.convert import convert
+
+    out = tmp_path_factory.mktemp("calib") / "base-f32.cmf"
+    convert(BASE, out, "f32")
+    return out
+
+
+@needs_shared
+def test_collected_statistics_are_the_inputs_the_matrices_see(base_f32):
+    cal = calib.collect(base_f32, CALIB_TEXT, window=256, max_tokens=2048)
+    assert cal.tokens == 2048 and cal.windows == 8 and cal.window == 256
+    st = cal.get("model.layers.0.self_attn.q_proj.weight")
+    # q/k/v are handed the same normed hidden state, gate/up the same: one accumulator each
+    assert st is cal.get("model.layers.0.self_attn.k_proj.weight") is cal.get("model.layers.0.self_attn.v_proj.weight")
+    assert cal.get("model.layers.0.mlp.gate_proj.weight") is cal.get("model.layers.0.mlp.up_proj.weight")
+    assert cal.get("model.layers.0.mlp.down_proj.weight") is not cal.get("model.layers.0.mlp.up_proj.weight")
+    assert cal.get("model.embed_tokens.weight") is None  # the token table is a lookup
+    assert st.tokens == 2048
+    # layer 0's attention input recomputed from the file: RMSNorm(embedding) · weight
+    with cmf.load(base_f32) as m:
+        ids = calib.token_windows(m.tokenizer, CALIB_TEXT, 256, 2048)
+        f = m.file
+        emb = f.array("model.embed_tokens.weight")
+        g = f.array("model.layers.0.input_layernorm.weight").astype(np.float64)
+        eps = m.plan.eps
+    x = emb[np.concatenate(ids)].astype(np.float64)
+    h = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * g
+    np.testing.assert_allclose(st.sq, (h * h).sum(axis=0), rtol=2e-4)
+    np.testing.assert_allclose(st.hessian, h.T @ h, rtol=2e-3, atol=2e-3 * np.abs(h.T @ h).max())
+
+
+@needs_shared
+def test_short_missing_and_binary_texts_are_refused(base_f32, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.\n\nNot enough to calibrate on.\n")
+    with pytest.raises(calib.CalibrationError, match=r"short.txt: \d+ tokens; calibration needs a text of at least 1024"):
+        calib.collect(base_f32, short)
+    with pytest.raises(calib.CalibrationError, match="calibration text not found"):
+        calib.collect(base_f32, tmp_path / "absent.txt")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"text\n" * 100 + b"\xff\xfe\x00bad")
+    with pytest.raises(calib.CalibrationError, match="not UTF-8 text"):
+        calib.collect(base_f32, binary)
+    with pytest.raises(calib.CalibrationError, match="below the minimum of 1024"):
+        calib.collect(base_f32, CALIB_TEXT, max_tokens=100)
+
+
+@needs_shared
+def test_requant_cli_with_a_short_text_fails_and_writes_nothing(base_f32, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short\n")
+    out = tmp_path / "out.cmf"
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "requant", str(base_f32), "-o", str(out), "--quant", "q4tp",
+                        "--calib", str(short)], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "calibration needs a text of at least 1024" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [short]
+
+
+@needs_shared
+def test_requant_with_calib_lowers_perplexity_on_other_text(base_f32, tmp_path):
+    from cmf.tools.perplexity import encode_text, perplexity
+    from cmf.tools.requant import requant
+
+    plain, cal = tmp_path / "plain.cmf", tmp_path / "cal.cmf"
+    requant(base_f32, plain, quant="q2tp")
+    rep = requant(base_f32, cal, quant="q2tp", calib=CALIB_TEXT, calib_tokens=4096)
+    assert rep["changed"] == len([e for e in rep["entries"] if e["to"] != e["from"]]) > 0
+    held = (SHARED / "texts" / "py-heldout.txt").read_text()[:60000]
+    ppl = {}
+    for name, path in (("f32", base_f32), ("plain", plain), ("cal", cal)):
+        with cmf.load(path) as m:
+            ppl[name] = perplexity(m, encode_text(m.tokenizer, held), 257, chunks=12)["ppl"]
+    assert ppl["cal"] < ppl["plain"], ppl
+    with cmf_open(cal) as f:
+        assert f.verify() == []
+        prov = f.header.to_dict()["provenance"]["options"]["calib"]
+    assert prov["calib_text"] == "man-calib.txt" and prov["calib_tokens"] == 4096
+
+
+@needs_shared
+def test_convert_with_calib_end_to_end(tmp_path):
+    from cmf.convert import convert
+
+    out = tmp_path / "q4tp.cmf"
+    res = convert(BASE, out, "q4tp", calib=CALIB_TEXT, calib_tokens=2048)
+    assert [p.name for p in res.paths] == ["q4tp.cmf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q4tp.cmf"]  # the f16 calibration copy is gone
+    with cmf_open(out) as f:
+        assert f.verify() == []
+        assert f.header.to_dict()["provenance"]["options"]["calib"]["calib_matrices"] > 0
+    with cmf.load(out) as m:
+        assert m.generate("The", max_tokens=4, temperature=0)
