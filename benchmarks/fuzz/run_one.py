@@ -43,10 +43,15 @@ def main() -> None:
             (out / f"seed-{i:03d}").write_bytes(data)
         return
     logging.disable(logging.WARNING)  # the surfaces' warnings (a forced skill apply) would flood stderr
-    with atheris.instrument_imports(include=["cmf"], exclude=jitted_modules()):
+    # The template harness also instruments jinja2: its lexer, parser and compiler are where a
+    # hostile template's bytes go, and our sandbox alone gives the fuzzer too few edges to follow.
+    include = ["cmf", "jinja2"] if name == "template" else ["cmf"]
+    with atheris.instrument_imports(include=include, exclude=jitted_modules()):
         import cmf  # noqa: F401
         import cmf.convert.gguf_scan  # noqa: F401
         import cmf.runtime.chat  # noqa: F401
+        if name == "template":
+            import jinja2.compiler, jinja2.lexer, jinja2.parser, jinja2.sandbox  # noqa: F401, E401
         import cmf.runtime.chat_sandbox  # noqa: F401
         import cmf.runtime.tokenizer  # noqa: F401
         import cmf.server.schemas  # noqa: F401
