@@ -13,6 +13,7 @@ project's own writers. ``benchmarks/fuzz_campaign.py`` runs them; ``run_one.py``
 | gguf | the GGUF scan of ``cmf import-gguf`` (header, metadata, array lengths, tensor infos) | ``CmfError`` |
 | tokenizer | the tokenizer bundle (the vocab section's tokenizer.json): build, encode, decode, stream-decode | ``CmfError`` |
 | template | the tokenizer bundle's chat template in the sandbox (bounded time and output) | ``ChatTemplateError`` |
+| pipeline | §12 pipeline containers: components, recipe, component and scheduler configs | ``CmfError`` |
 | http | the OpenAI request validators (chat, completions, tokenize, tools, response_format) | ``RequestError`` |
 """
 
@@ -275,6 +276,50 @@ def template_one(data: bytes) -> None:
     assert time.monotonic() - t0 < chat_sandbox.RENDER_SECONDS + 2.0, "template render over its deadline"
 
 
+# ----------------------------------------------------------------------------------- §12 pipeline files
+
+
+def pipeline_seeds(folder: Path) -> list[bytes]:
+    """A pipeline container's layout (spec §12: ``te``/``dit``/``vae`` weights, u8 JSON configs)
+    written by CmfWriter; the full packer needs a diffusers checkpoint and torch."""
+    from cmf.format.writer import CmfWriter
+
+    arch = dict(_arch(), arch_name="lumina2-image")
+    p = folder / "pipeline.cmf"
+    cfgs = {"te": {"architectures": ["Gemma2Model"], "hidden_size": 8},
+            "dit": {"_class_name": "Lumina2Transformer2DModel", "num_layers": 1},
+            "vae": {"_class_name": "AutoencoderKL", "latent_channels": 4},
+            "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}}
+    with CmfWriter(p, {"version": 2, "arch": arch, "quant_type": "F16",
+                       "provenance": {"hf_tokenizer_config": {"tokenizer_class": "GemmaTokenizerFast"}}}) as w:
+        for ns, cfg in cfgs.items():
+            blob = json.dumps(cfg).encode()
+            w.add(f"{ns}.config_json", "u8", (len(blob),), blob)
+            if ns != "scheduler":
+                w.add(f"{ns}.w", "f16", (4, 8), np.ones((4, 8), "<f2").tobytes())
+        w.set_vocab(tokenizer_seeds(folder)[0])
+    return [p.read_bytes()]
+
+
+def pipeline_one(data: bytes) -> None:
+    """What ``cmf info`` and ``cmf imagine`` read from a container before torch is involved."""
+    import cmf
+    from cmf.format.errors import CmfError
+    from cmf.image.components import components
+    from cmf.image.loader import config_of, recipe_of
+    from cmf.image.recipes import CONFIG_SUFFIX
+
+    try:
+        with cmf.open(_file(data), shards=False) as f:
+            components(f)
+            recipe = recipe_of(f)
+            for c in recipe.components:
+                config_of(f, f"{c.prefix}.{CONFIG_SUFFIX}")
+            config_of(f, f"{recipe.scheduler_prefix}.{CONFIG_SUFFIX}")
+    except CmfError:
+        pass
+
+
 # ----------------------------------------------------------------------------------- HTTP schemas
 
 
@@ -325,4 +370,5 @@ HARNESSES: dict[str, tuple[Callable[[Path], list[bytes]], Callable[[bytes], None
     "tokenizer": (tokenizer_seeds, tokenizer_one),
     "template": (template_seeds, template_one),
     "http": (http_seeds, http_one),
+    "pipeline": (pipeline_seeds, pipeline_one),
 }

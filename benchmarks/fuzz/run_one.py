@@ -58,6 +58,8 @@ def main() -> None:
         import cmf.server.structured  # noqa: F401
         import cmf.server.tools_calls  # noqa: F401
         import cmf.tools._skill_file  # noqa: F401
+        import cmf.image.components  # noqa: F401
+        import cmf.image.loader  # noqa: F401
         import cmf.quant  # noqa: F401
         import cmf.kernels  # noqa: F401
     from harnesses import HARNESSES
