@@ -131,10 +131,28 @@ def test_a_long_answer_is_not_cut_by_the_deadline(server) -> None:
     assert status == 200 and isinstance(body, bytes) and body.count(b"data: ") == 6
 
 
-def test_keep_alive_request_after_a_response_is_served(server) -> None:
-    with socket.create_connection((server.host, server.port), timeout=5) as sock:
-        for _ in range(2):
+def _one_response(sock: socket.socket) -> bytes:
+    """Read exactly one response (head + Content-Length body) from a raw socket."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    n = int(next(ln.split(b":", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")))
+    while len(body) < n:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_keep_alive_request_after_a_response_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P.GuardedH11Protocol, "head_timeout", 2.0)
+    with ServerThread(APP) as s, socket.create_connection((s.host, s.port), timeout=10) as sock:
+        for _ in range(3):  # 3 × 1.2 s on one connection > 2 s: the deadline restarts per request
             sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-            got = sock.recv(65536)
-            assert got.startswith(b"HTTP/1.1 200")
-            time.sleep(0.3)  # under the 0.5 s deadline each time: the timer restarts per request
+            assert _one_response(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(1.2)
+        sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _one_response(sock).startswith(b"HTTP/1.1 200")
