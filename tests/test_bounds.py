@@ -145,7 +145,7 @@ def test_template_time_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="took over 0.3 s"):
         render_chat("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", HI)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 4.0  # the 0.3 s deadline plus a loaded machine's slack
 
 
 def test_template_size_bound() -> None:
