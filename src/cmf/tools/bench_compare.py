@@ -36,9 +36,9 @@ def gguf_type_for(dtypes: set[str]) -> str:
         return "F32"
     if dtypes & {"f16", "bf16"} and not dtypes & {"q8_row", "q8_2f"}:
         return "F16"
-    if dtypes & {"q8_row", "q8_2f"}:
+    if dtypes & {"q8_row", "q8_2f"} and not dtypes & FOUR_BIT:
         return "Q8_0"
-    return "Q4_0"
+    return "Q4_0"  # the 4-bit family (with its q8_row token table, as llama.cpp's Q4_0 keeps it wide too)
 
 
 def _matrix_dtypes(path: Path) -> set[str]:

@@ -108,19 +108,32 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
             include: Sequence[str] = (), exclude: Sequence[str] = (), in_place: bool = False,
             mean_bits: float | None = None, progress: Callable[[int], None] | None = None,
             calib: str | os.PathLike | None = None, calib_tokens: int | None = None,
-            calib_progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            calib_progress: Callable[[int], None] | None = None, target_mb: float | None = None,
+            bpw: float | None = None) -> dict[str, Any]:
     """Re-encode the matrices of ``src`` as ``quant`` into ``dst`` (or in place); returns a report.
 
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
     activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
-    Raises WriterError when ``--in-place`` payloads do not fit, HashMismatch for a corrupt
+    ``target_mb`` / ``bpw``: per-matrix dtypes along q2tp/q4tp/q8_row chosen to fit that size
+    (cmf.convert.budget; ``quant`` still decides what stays fixed). Raises WriterError when
+    ``--in-place`` payloads do not fit, HashMismatch for a corrupt
     source, ShardError for an in-place shard set, CalibrationError for an unusable text.
     """
     from ..format.errors import WriterError
 
     if in_place == (dst is not None):
         raise WriterError("give exactly one of an output path (-o) and --in-place")
+    budget = None
+    if target_mb is not None or bpw is not None:
+        if in_place:
+            raise WriterError("--target-mb/--bpw change payload sizes: write a new file with -o, not --in-place")
+        from ..convert.budget import target_bytes
+        from ..format.reader import open as cmf_open
+
+        with cmf_open(src) as f:
+            total = sum(t.numel for t in f.tensors())
+        budget = target_bytes(target_mb, bpw, total)
     cal = None
     if calib is not None:
         from .. import calib as _calib
@@ -130,7 +143,7 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
                              progress=calib_progress)
     if in_place:
         return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
-    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal)
+    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget)
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
@@ -148,7 +161,8 @@ def _summary(src: Path, out: Path, quant: str, entries: list[dict[str, Any]], mo
             "bytes_after": sum(e["bytes_after"] for e in entries), "entries": entries}
 
 
-def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress, cal=None) -> dict[str, Any]:
+def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress, cal=None,
+             budget: int | None = None) -> dict[str, Any]:
     from ..format.errors import WriterError
     from ..format.reader import open as cmf_open
     from ..format.writer import CmfWriter
@@ -162,10 +176,21 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
         header.pop("shard", None)
         if cal is not None and isinstance(header.get("provenance"), dict):
             header["provenance"].setdefault("options", {})["calib"] = cal.provenance()
+        moved: dict[str, Any] = {}
+        if budget is not None:
+            from ..convert.budget import file_budget
+
+            bplan, moved = file_budget(f, policy, lambda n: _selected(n, include, exclude), budget, cal)
+            if isinstance(header.get("provenance"), dict):
+                header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
         with CmfWriter(dst, header) as w:
             for t in f.tensors():
                 view = _checked_view(src, t)
                 choice, reason = target_of(policy, t, include, exclude)
+                if t.name in moved:
+                    choice, reason = moved[t.name], "budget"
+                    if choice.dtype == t.dtype.label:
+                        choice, reason = None, "already " + t.dtype.label + " (budget)"
                 if choice is None:
                     w.add(t.name, t.dtype, t.shape, view, hash=t.hash)
                     entries.append(_entry(t, None, None, reason))
@@ -320,6 +345,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="overwrite the payloads in their slots (refused, with the reason, unless all fit)")
     p.add_argument("--mean-bits", type=float, metavar="N", help="vbit budget in bits per weight (3..8, default 4.25)")
     add_calib_arguments(p)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--target-mb", type=float, metavar="N",
+                      help="fit the tensors in N MB (10^6 bytes): each matrix gets q2tp, q4tp or q8_row, whichever "
+                           "mix loses least (predicted from --calib when given)")
+    size.add_argument("--bpw", type=float, metavar="B", help="as --target-mb, as bits per weight over all tensors")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -340,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
             d = requant(args.model, args.output, quant=args.quant, include=args.include, exclude=args.exclude,
                         in_place=args.in_place, mean_bits=args.mean_bits,
                         progress=bar.update if bar is not None else None, calib=args.calib,
-                        calib_tokens=args.calib_tokens, calib_progress=cal_bar)
+                        calib_tokens=args.calib_tokens, calib_progress=cal_bar, target_mb=args.target_mb,
+                        bpw=args.bpw)
     finally:
         if bar is not None:
             bar.close()

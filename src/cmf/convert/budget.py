@@ -1,0 +1,177 @@
+"""Target-size quantization (``--target-mb N`` / ``--bpw B``): per-matrix dtypes that fit a budget.
+
+Every matrix the quant's policy puts on a ladder dtype (q2tp, q4tp, the 4-bit family, vbit…) may
+instead take any of :data:`LADDER` — ``q2tp`` (2.2 bits), ``q4tp`` (4.2), ``q8_row`` (8.1). Each
+candidate is encoded once to measure its predicted loss: the relative output error
+``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` under the matrix's calibration Hessian H (or H = I, the relative
+weight error, without ``--calib``). Starting from the cheapest candidate everywhere, the upgrade
+with the most loss removed per byte is taken while the file still fits (greedy knapsack); what
+the policy fixes (token table, norms, precision-critical tensors) is counted first. The choices
+are ordinary dtypes: every reader decodes the file.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import ConvertError
+
+log = logging.getLogger(__name__)
+
+LADDER = ("q2tp", "q4tp", "q8_row")
+# policy dtypes a budget may move along the ladder (the others stay as the policy says)
+MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
+
+
+@dataclass
+class Candidate:
+    dtype: str
+    nbytes: int
+    loss: float
+
+
+@dataclass
+class BudgetPlan:
+    """The dtype per movable matrix and what the budget cost."""
+
+    target_bytes: int
+    fixed_bytes: int
+    choice: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+    loss: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for d in self.choice.values():
+            counts[d] = counts.get(d, 0) + 1
+        return {"target_bytes": self.target_bytes, "bytes": self.bytes, "fixed_bytes": self.fixed_bytes,
+                "matrices": counts, "predicted_loss": round(self.loss, 6)}
+
+
+def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int) -> int:
+    """The budget in bytes from ``--target-mb`` (10^6 bytes of tensor payloads) or ``--bpw``."""
+    if (target_mb is None) == (bpw is None):
+        raise ConvertError("give one of --target-mb and --bpw")
+    if target_mb is not None:
+        if not target_mb > 0:
+            raise ConvertError(f"--target-mb {target_mb} must be positive")
+        return int(target_mb * 1e6)
+    if not 1.0 <= bpw <= 32.0:  # type: ignore[operator]
+        raise ConvertError(f"--bpw {bpw} is outside 1..32")
+    return int(bpw * total_weights / 8)  # type: ignore[operator]
+
+
+def relative_loss(w: np.ndarray, got: np.ndarray, hessian: np.ndarray | None) -> float:
+    """tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) (H = I when None)."""
+    w = np.asarray(w, np.float64)
+    d = w - np.asarray(got, np.float64)
+    if hessian is None:
+        den = float((w * w).sum())
+        return float((d * d).sum()) / den if den > 0 else 0.0
+    den = float(((w @ hessian) * w).sum())
+    return float(((d @ hessian) * d).sum()) / den if den > 0 else 0.0
+
+
+def candidates(w: np.ndarray, stats, options: dict[str, Any]) -> list[Candidate]:  # noqa: ANN001
+    """Each ladder dtype's payload size and predicted loss for one matrix."""
+    from .. import calib, quant
+
+    hess = stats.mean_hessian() if stats is not None else None
+    out = []
+    for dtype in LADDER:
+        data = calib.encode(w, dtype, stats, **{k: v for k, v in options.items() if k == "encoder"})
+        out.append(Candidate(dtype, len(data), relative_loss(w, quant.decode(data, dtype, w.shape), hess)))
+    return out
+
+
+def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
+    """Greedy: the cheapest candidate everywhere, then the best loss-per-byte upgrades that fit."""
+    plan = BudgetPlan(budget, fixed_bytes)
+    at = {n: 0 for n in cands}
+    used = fixed_bytes + sum(c[0].nbytes for c in cands.values())
+    if used > budget:
+        raise ConvertError(f"a target of {budget / 1e6:.1f} MB is below the smallest file this model can be "
+                           f"with {LADDER[0]} everywhere it is allowed: {used / 1e6:.1f} MB")
+    heap: list[tuple[float, str, int]] = []
+
+    def push(name: str) -> None:
+        i = at[name]
+        c = cands[name]
+        # the next step up the ladder, or a jump two rungs when that removes more loss per byte
+        best = None
+        for j in range(i + 1, len(c)):
+            extra = c[j].nbytes - c[i].nbytes
+            gain = c[i].loss - c[j].loss
+            if extra > 0 and gain > 0 and (best is None or gain / extra > best[0]):
+                best = (gain / extra, j)
+        if best is not None:
+            heapq.heappush(heap, (-best[0], name, best[1]))
+
+    for n in cands:
+        push(n)
+    while heap:
+        _, name, j = heapq.heappop(heap)
+        i = at[name]
+        extra = cands[name][j].nbytes - cands[name][i].nbytes
+        if used + extra > budget:
+            if j > i + 1 and cands[name][i + 1].nbytes - cands[name][i].nbytes + used <= budget \
+                    and cands[name][i + 1].loss < cands[name][i].loss:
+                c0, c1 = cands[name][i], cands[name][i + 1]
+                heapq.heappush(heap, (-(c0.loss - c1.loss) / max(c1.nbytes - c0.nbytes, 1), name, i + 1))
+            continue  # this one does not fit; smaller upgrades still may
+        used += extra
+        at[name] = j
+        push(name)
+    plan.choice = {n: cands[n][i].dtype for n, i in at.items()}
+    plan.bytes = used
+    plan.loss = float(sum(cands[n][i].loss for n, i in at.items()))
+    return plan
+
+
+def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
+                budget: int, calibration=None, progress: Callable[[int], None] | None = None) -> BudgetPlan:  # noqa: ANN001
+    """Dtypes for the movable matrices ``items`` (name, loader of its f32 values, encoder options)."""
+    cands: dict[str, list[Candidate]] = {}
+    for name, load, opts in items:
+        w = load()
+        cands[name] = candidates(w, calibration.get(name) if calibration is not None else None, opts)
+        if progress is not None:
+            progress(1)
+    plan = allocate(cands, fixed_bytes, budget)
+    log.info("budget: %s", plan.summary())
+    return plan
+
+
+def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibration=None,  # noqa: ANN001
+                progress: Callable[[int], None] | None = None) -> tuple[BudgetPlan, dict[str, Any]]:
+    """Plan the dtypes of an open CMF file's matrices under ``budget`` bytes of tensor payloads.
+
+    Returns the plan and {name: Choice} for the movable matrices (``requant`` writes the rest as
+    ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
+    table, not a precision-critical one) with whole groups of 32 inputs."""
+    from .. import quant as _quant
+    from .policy import TOKEN_TABLE, Choice
+
+    fixed = 0
+    items = []
+    for t in f.tensors():
+        shape = tuple(t.shape)
+        choice = policy.choose(t.name, shape) if len(shape) == 2 else None
+        movable = (choice is not None and selected(t.name) and choice.dtype in MOVABLE and shape[1] % 32 == 0
+                   and not TOKEN_TABLE.search(t.name) and not t.name.endswith(".tid2eid"))
+        if movable:
+            items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
+            continue
+        if choice is None or not selected(t.name) or choice.dtype == t.dtype.label or choice.reason in (
+                "not 2-D", "< 32 elements", "precision-critical") and choice.dtype == t.dtype.label:
+            fixed += t.nbytes
+        else:
+            n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
+            fixed += n if n is not None else t.nbytes
+    plan = plan_budget(items, fixed, budget, calibration, progress)
+    return plan, {n: Choice(d, {}, "budget") for n, d in plan.choice.items()}

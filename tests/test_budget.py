@@ -1,0 +1,115 @@
+"""Target-size quantization (--target-mb / --bpw, cmf.convert.budget)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cmf.convert.budget import Candidate, allocate, relative_loss, target_bytes
+from cmf.convert.errors import ConvertError
+from cmf.format.errors import WriterError
+from cmf.format.reader import open as cmf_open
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+BASE = SHARED / "base"
+
+
+def ladder(loss2: float, loss4: float, loss8: float, n: int = 100) -> list[Candidate]:
+    return [Candidate("q2tp", 2 * n, loss2), Candidate("q4tp", 4 * n, loss4), Candidate("q8_row", 8 * n, loss8)]
+
+
+def test_allocate_spends_bytes_where_they_remove_most_loss():
+    cands = {"a": ladder(1.0, 0.1, 0.01), "b": ladder(0.2, 0.15, 0.14), "c": ladder(0.5, 0.05, 0.0)}
+    # the cheapest file: every matrix q2tp
+    p = allocate(cands, 50, 50 + 600)
+    assert p.choice == {"a": "q2tp", "b": "q2tp", "c": "q2tp"} and p.bytes == 650
+    # 400 more bytes: a and c go to 4 bits (0.9 and 0.45 removed for 200 each), b stays
+    p = allocate(cands, 50, 50 + 1000)
+    assert p.choice == {"a": "q4tp", "b": "q2tp", "c": "q4tp"} and p.bytes == 1050
+    assert p.loss == pytest.approx(0.1 + 0.2 + 0.05)
+    # everything fits at 8 bits
+    p = allocate(cands, 0, 10_000)
+    assert set(p.choice.values()) == {"q8_row"}
+    with pytest.raises(ConvertError, match="below the smallest file this model can be"):
+        allocate(cands, 50, 500)
+
+
+def test_allocate_takes_a_smaller_step_when_the_jump_does_not_fit():
+    # q2 -> q8 removes the most loss per byte, but only q2 -> q4 fits
+    cands = {"a": [Candidate("q2tp", 200, 1.0), Candidate("q4tp", 400, 0.9), Candidate("q8_row", 800, 0.0)]}
+    assert allocate(cands, 0, 500).choice == {"a": "q4tp"}
+
+
+def test_target_and_loss_helpers():
+    assert target_bytes(12.5, None, 0) == 12_500_000
+    assert target_bytes(None, 4.0, 1_000_000) == 500_000
+    for bad in ((None, None), (1.0, 4.0)):
+        with pytest.raises(ConvertError, match="one of --target-mb and --bpw"):
+            target_bytes(*bad, 10)
+    with pytest.raises(ConvertError, match="outside 1..32"):
+        target_bytes(None, 0.5, 10)
+    w = np.arange(12, dtype=np.float64).reshape(3, 4)
+    assert relative_loss(w, w, None) == 0.0
+    assert relative_loss(w, np.zeros_like(w), np.eye(4)) == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def base_f32(tmp_path_factory):
+    if not (BASE / "model.safetensors").exists():
+        pytest.skip("../shared/models/base not present")
+    from cmf.convert import convert
+
+    out = tmp_path_factory.mktemp("budget") / "base-f32.cmf"
+    convert(BASE, out, "f32")
+    return out
+
+
+def _payload_bytes(path: Path) -> tuple[int, dict[str, int]]:
+    with cmf_open(path) as f:
+        counts: dict[str, int] = {}
+        for t in f.tensors():
+            counts[t.dtype.label] = counts.get(t.dtype.label, 0) + 1
+        return sum(t.nbytes for t in f.tensors()), counts
+
+
+def test_requant_to_a_target_size_fits_and_mixes_the_ladder(base_f32, tmp_path):
+    from cmf.tools.requant import requant
+
+    q4, q8 = tmp_path / "q4.cmf", tmp_path / "q8.cmf"
+    requant(base_f32, q4, quant="q4tp")
+    requant(base_f32, q8, quant="q8")
+    b4, b8 = _payload_bytes(q4)[0], _payload_bytes(q8)[0]
+    target = (b4 + b8) / 2
+    out = tmp_path / "mid.cmf"
+    rep = requant(base_f32, out, quant="q4tp", target_mb=target / 1e6)
+    got, counts = _payload_bytes(out)
+    assert b4 < got <= target
+    assert counts.get("q8_row", 0) > 1 and counts.get("q4tp", 0) + counts.get("q2tp", 0) > 0
+    assert {e["reason"] for e in rep["entries"]} >= {"budget"}
+    with cmf_open(out) as f:
+        assert f.verify() == []
+        assert f.header.to_dict()["provenance"]["options"]["budget"]["bytes"] <= target
+    # --bpw: the same machinery, in bits per weight over all tensors
+    with cmf_open(base_f32) as f:
+        n = sum(t.numel for t in f.tensors())
+    bpw = round(8 * target / n, 2)
+    out2 = tmp_path / "bpw.cmf"
+    requant(base_f32, out2, quant="q4tp", bpw=bpw)
+    assert b4 < _payload_bytes(out2)[0] <= bpw * n / 8
+
+
+def test_target_size_refusals(base_f32, tmp_path):
+    from cmf.tools.requant import requant
+
+    with pytest.raises(WriterError, match="not --in-place"):
+        requant(base_f32, quant="q4tp", in_place=True, target_mb=1.0)
+    with pytest.raises(ConvertError, match="below the smallest file"):
+        requant(base_f32, tmp_path / "x.cmf", quant="q4tp", target_mb=0.1)
+    assert not (tmp_path / "x.cmf").exists()
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "requant", str(base_f32), "-o", str(tmp_path / "y.cmf"),
+                        "--quant", "q4tp", "--target-mb", "3", "--bpw", "4"], capture_output=True, text=True)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
