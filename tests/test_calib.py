@@ -231,3 +231,23 @@ def test_convert_with_calib_end_to_end(tmp_path):
         assert f.header.to_dict()["provenance"]["options"]["calib"]["calib_matrices"] > 0
     with cmf.load(out) as m:
         assert m.generate("The", max_tokens=4, temperature=0)
+
+
+@needs_shared
+def test_quant_report_eval_and_calib(base_f32, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "quant-report", str(base_f32), "--quant", "q8_row,q2tp",
+                        "--eval", str(SHARED / "texts" / "py-heldout.txt"), "--calib", str(CALIB_TEXT),
+                        "--calib-tokens", "2048", "--chunks", "2", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    ev = json.loads(r.stdout)["eval"]
+    rows = {x["dtype"]: x for x in ev["rows"]}
+    src = ev["source_ppl"]
+    assert ev["windows"] == 2 and ev["calib"]["calib_tokens"] == 2048
+    assert abs(rows["q8_row"]["ppl"] / src - 1) < 0.02
+    assert rows["q2tp"]["ppl"] > rows["q8_row"]["ppl"] and rows["q2tp"]["ppl_calib"] < rows["q2tp"]["ppl"]
+    assert rows["q2tp"]["mb"] < rows["q8_row"]["mb"]
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "quant-report", str(base_f32), "--calib", str(CALIB_TEXT)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--calib needs --eval" in r.stderr

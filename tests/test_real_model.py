@@ -246,3 +246,43 @@ def test_gguf_export_keeps_the_tokenizer(files, tmp_path):
         assert field(dst, key) == field(src, key), key
     assert field(dst, "tokenizer.ggml.pre") == "smollm"
     assert json.dumps(field(dst, "tokenizer.chat_template")) == json.dumps(field(src, "tokenizer.chat_template"))
+
+
+def _licences(tmp_path: Path) -> Path:
+    if not (LICENSES / "GPL-3").exists():
+        pytest.skip(f"{LICENSES} is not on this machine")
+    text = tmp_path / "licences.txt"
+    text.write_text("\n\n".join((LICENSES / n).read_text(errors="replace")
+                                for n in ("Apache-2.0", "GPL-3", "MPL-2.0", "GFDL-1.3", "Artistic", "LGPL-2.1")
+                                if (LICENSES / n).exists()))
+    return text
+
+
+def test_default_quant_perplexity_within_bound_of_f32(files, f32):
+    """The default 4-bit file (q4tp, plain encoder) on text it never saw: within 1.3x of f32's
+    perplexity (measured 1.20-1.23x on `man bash` and on this text; docs/QUANT.md)."""
+    from cmf.tools.perplexity import encode_text, perplexity
+
+    text = _license_text("GPL-3", 0, 30000)
+    ids = encode_text(f32.tokenizer, text)
+    ref = perplexity(f32, ids, 256, 6)["ppl"]
+    with cmf.load(files["q4tp"]) as m:
+        got = perplexity(m, ids, 256, 6)["ppl"]
+    assert ref < got < 1.3 * ref, (ref, got)
+
+
+@pytest.mark.slow
+def test_calibrated_q4tp_keeps_the_greedy_reply(files, f32, tmp_path):
+    """q4tp with --calib (16k tokens of licence texts) decodes f32's greedy reply to the factual
+    question, end of turn included; the plain q4tp file does not (docs/QUANT.md, greedy check)."""
+    from cmf.runtime.generate import prompt_ids_for
+    from cmf.tools.requant import requant
+
+    out = tmp_path / "q4tp-calib.cmf"
+    requant(files["f32"], out, quant="q4tp", calib=_licences(tmp_path), calib_tokens=16384)
+    prompt = prompt_ids_for(f32, [{"role": "user", "content": QUESTIONS[0]}])
+    ref = _greedy(f32, prompt, 16)
+    with cmf.load(out) as m:
+        ours = _greedy(m, prompt, 16)
+    assert ours == ref, (m.tokenizer.decode(ours), f32.tokenizer.decode(ref))
+    assert "Paris" in f32.tokenizer.decode(ref)

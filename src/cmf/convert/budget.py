@@ -134,12 +134,21 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
 
 
 def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
-                budget: int, calibration=None, progress: Callable[[int], None] | None = None) -> BudgetPlan:  # noqa: ANN001
-    """Dtypes for the movable matrices ``items`` (name, loader of its f32 values, encoder options)."""
+                budget: int, calibration=None, progress: Callable[[int], None] | None = None,  # noqa: ANN001
+                cache: dict[str, list[Candidate]] | None = None) -> BudgetPlan:
+    """Dtypes for the movable matrices ``items`` (name, loader of its f32 values, encoder options).
+
+    ``cache``: candidates by name, filled on the first call and reused after (several budgets of
+    one model and calibration measure each candidate once)."""
     cands: dict[str, list[Candidate]] = {}
     for name, load, opts in items:
+        if cache is not None and name in cache:
+            cands[name] = cache[name]
+            continue
         w = load()
         cands[name] = candidates(w, calibration.get(name) if calibration is not None else None, opts)
+        if cache is not None:
+            cache[name] = cands[name]
         if progress is not None:
             progress(1)
     plan = allocate(cands, fixed_bytes, budget)
@@ -148,7 +157,8 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
 
 
 def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibration=None,  # noqa: ANN001
-                progress: Callable[[int], None] | None = None) -> tuple[BudgetPlan, dict[str, Any]]:
+                progress: Callable[[int], None] | None = None,
+                cache: dict[str, list[Candidate]] | None = None) -> tuple[BudgetPlan, dict[str, Any]]:
     """Plan the dtypes of an open CMF file's matrices under ``budget`` bytes of tensor payloads.
 
     Returns the plan and {name: Choice} for the movable matrices (``requant`` writes the rest as
@@ -173,5 +183,5 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
         else:
             n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
             fixed += n if n is not None else t.nbytes
-    plan = plan_budget(items, fixed, budget, calibration, progress)
+    plan = plan_budget(items, fixed, budget, calibration, progress, cache)
     return plan, {n: Choice(d, {}, "budget") for n, d in plan.choice.items()}

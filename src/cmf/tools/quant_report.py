@@ -165,6 +165,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"comma-separated dtypes (default {','.join(DEFAULT_QUANTS)})")
     p.add_argument("--include", action="append", default=[], metavar="GLOB",
                    help="only matrices whose name matches (repeatable)")
+    p.add_argument("--eval", metavar="TEXT",
+                   help="also write each dtype as a file (the converter's policy) and print its perplexity on TEXT "
+                        "(SOURCE must be a .cmf)")
+    p.add_argument("--calib", metavar="TEXT", help="with --eval: each dtype also calibrated on TEXT (docs/QUANT.md)")
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N", help="calibration tokens (default 16384)")
+    p.add_argument("--chunks", type=int, default=8, metavar="N", help="with --eval: windows of 512 scored (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -181,8 +187,16 @@ def run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         bar = tqdm(unit=" matrices", desc="quant-report", file=sys.stderr, leave=False)
+    if args.calib is not None and args.eval is None:
+        sys.stderr.write("cmf: error: --calib needs --eval TEXT (see 'cmf quant-report --help')\n")
+        return 2
     try:
         d = quant_report(args.source, quants, include=args.include, progress=bar.update if bar is not None else None)
+        if args.eval is not None:
+            from ._quant_eval import eval_report
+
+            d["eval"] = eval_report(args.source, quants, args.eval, calib_text=args.calib,
+                                    calib_tokens=args.calib_tokens, chunks=args.chunks)
     finally:
         if bar is not None:
             bar.close()
@@ -190,4 +204,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(d)
     else:
         print(render(d))
+        if "eval" in d:
+            from ._quant_eval import render_eval
+
+            print("\n".join(render_eval(d["eval"])))
     return 0

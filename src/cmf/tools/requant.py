@@ -107,16 +107,18 @@ def _reencode(t, view: np.ndarray, choice, cal=None) -> bytes:  # noqa: ANN001
 def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, quant: str,
             include: Sequence[str] = (), exclude: Sequence[str] = (), in_place: bool = False,
             mean_bits: float | None = None, progress: Callable[[int], None] | None = None,
-            calib: str | os.PathLike | None = None, calib_tokens: int | None = None,
+            calib: Any = None, calib_tokens: int | None = None,
             calib_progress: Callable[[int], None] | None = None, target_mb: float | None = None,
-            bpw: float | None = None) -> dict[str, Any]:
+            bpw: float | None = None, budget_cache: dict | None = None) -> dict[str, Any]:
     """Re-encode the matrices of ``src`` as ``quant`` into ``dst`` (or in place); returns a report.
 
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
     activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
     ``target_mb`` / ``bpw``: per-matrix dtypes along q2tp/q4tp/q8_row chosen to fit that size
-    (cmf.convert.budget; ``quant`` still decides what stays fixed). Raises WriterError when
+    (cmf.convert.budget; ``quant`` still decides what stays fixed; ``budget_cache``: a dict
+    reused across calls on one model to measure each candidate once). ``calib`` may also be a
+    :class:`cmf.calib.Calibration` already collected on ``src``. Raises WriterError when
     ``--in-place`` payloads do not fit, HashMismatch for a corrupt
     source, ShardError for an in-place shard set, CalibrationError for an unusable text.
     """
@@ -135,7 +137,9 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
             total = sum(t.numel for t in f.tensors())
         budget = target_bytes(target_mb, bpw, total)
     cal = None
-    if calib is not None:
+    if calib is not None and not isinstance(calib, (str, os.PathLike)):
+        cal = calib  # a Calibration collected before
+    elif calib is not None:
         from .. import calib as _calib
         from ..convert.calibrate import check_text
 
@@ -143,7 +147,7 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
                              progress=calib_progress)
     if in_place:
         return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
-    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget)
+    return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget, budget_cache)
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
@@ -162,7 +166,7 @@ def _summary(src: Path, out: Path, quant: str, entries: list[dict[str, Any]], mo
 
 
 def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress, cal=None,
-             budget: int | None = None) -> dict[str, Any]:
+             budget: int | None = None, budget_cache: dict | None = None) -> dict[str, Any]:
     from ..format.errors import WriterError
     from ..format.reader import open as cmf_open
     from ..format.writer import CmfWriter
@@ -180,7 +184,8 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
         if budget is not None:
             from ..convert.budget import file_budget
 
-            bplan, moved = file_budget(f, policy, lambda n: _selected(n, include, exclude), budget, cal)
+            bplan, moved = file_budget(f, policy, lambda n: _selected(n, include, exclude), budget, cal,
+                                       cache=budget_cache)
             if isinstance(header.get("provenance"), dict):
                 header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
         with CmfWriter(dst, header) as w:
