@@ -25,8 +25,7 @@ import numpy as np
 
 from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
-from .memory import release_pages
-from .model import EMBED_RELEASE_EVERY, ContextOverflow
+from .model import ContextOverflow
 from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
 from .step import AttnStep, FfnStep
 from ..kernels.gemv_batch import BatchGroup
@@ -123,10 +122,7 @@ class BatchDecoder:
         x = model.weights.rows(plan.embed, ids)
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
-        # the embedding's looked-up pages, given back as Model.hidden does for decode forwards
-        model._forwards += 1
-        if model._embed_pages is not None and model._forwards % EMBED_RELEASE_EVERY == 0:
-            release_pages(model._embed_pages)
+        model._count_forward(1)  # the embedding's looked-up pages, given back as for decode forwards
         positions = [c.pos for c in caches]
         nt = numba.get_num_threads()
         for i, block in enumerate(model._blocks):

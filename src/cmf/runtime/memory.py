@@ -31,6 +31,8 @@ import weakref
 
 import numpy as np
 
+from .plan import plan_names
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -174,3 +176,45 @@ def release_compiler_pages() -> None:
                 _code["ranges"] = ranges
     for lo, hi in ranges:
         _madvise_dontneed(lo, hi - lo)
+
+
+# Decode looks up one embedding row a token; its pages (and the kernel's fault-around neighbours)
+# are given back every this many forwards, so a long generation does not map the whole table.
+EMBED_RELEASE_EVERY = 64
+
+
+class ModelMemory:
+    """The Model's side of the above (a mixin of runtime.model.Model): which pages to give back
+    when. Expects ``file``, ``plan``, ``weights``, ``_lm_head`` and ``_forwards`` on the model."""
+
+    def _init_release(self) -> None:
+        self._forwards = 0
+        self._releaser = PackedSourceReleaser(self.file)
+
+    def _embed_release_view(self) -> "np.ndarray | None":
+        """The embedding's mapped bytes, given back after lookups (:func:`release_pages`) unless a
+        head reads the whole matrix every token (tied weights)."""
+        plan, w = self.plan, self.weights
+        heads = {plan.lm_head} | ({plan.mtp.lm_head} if plan.mtp is not None else set())
+        return None if plan.embed in heads or plan.embed in w._mixed else w.qtensor(plan.embed).numpy()
+
+    def _count_forward(self, t: int) -> bool:
+        """Count a forward of ``t`` tokens and give back looked-up embedding pages; whether this
+        forward gives back layer pages too (:meth:`_give_back`): after every prefill and after
+        decode forwards 1, 2, 4, 8, ... (tiles are packed once; kernels load from numba's cache at
+        a layer's first call)."""
+        self._forwards += 1
+        if self._embed_pages is not None and (t > 1 or self._forwards % EMBED_RELEASE_EVERY == 0):
+            release_pages(self._embed_pages)
+        return t > 1 or not self._forwards & (self._forwards - 1)
+
+    def _give_back(self, i: int) -> None:
+        """After layer ``i``: drop the mapped sources of its newly packed tiles, and LLVM's pages
+        (touched if the layer loaded kernels) before the next layer's weights come in."""
+        lin = self.weights._linears
+        self._releaser.release([lin[n] for n in plan_names(self.plan.layers[i]) if n in lin])
+        release_compiler_pages()
+
+    def _give_back_head(self) -> None:
+        """After the layers of a watched forward: the lm_head's packed sources."""
+        self._releaser.release([self._lm_head])

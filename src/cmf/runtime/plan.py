@@ -16,7 +16,7 @@ from .plan_mixers import GdnPlan, MlaPlan, gdn_plan, mla_plan
 from .plan_moe import FfnPlan, MoePlan, ffn_plan
 
 __all__ = ["AttentionPlan", "FfnPlan", "GdnPlan", "LayerPlan", "MlaPlan", "ModelPlan", "MoePlan", "MtpPlan",
-           "PlanError", "build_plan"]
+           "PlanError", "build_plan", "plan_names"]
 
 
 @dataclass(frozen=True)
@@ -246,3 +246,17 @@ def _rope_scaling(raw: dict) -> dict | None:
         return out
     return None
 
+
+def plan_names(obj) -> set[str]:  # noqa: ANN001 - a (nested) plan dataclass
+    """Every string a (nested) plan dataclass holds: the tensor names one layer reads."""
+    out: set[str] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            out.add(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif hasattr(o, "__dataclass_fields__"):
+            stack.extend(getattr(o, f) for f in o.__dataclass_fields__)
+    return out

@@ -8,7 +8,7 @@ Per decoder layer ``i``:
 - FFN bitfield (row ``i``; on looped models block ``i`` is visit ``i`` and LOOP_MASKS rows are
   per visit, runtime/loops.py): a dense FFN runs only its live neurons (blocks.DenseFfn). MoE
   layers have no dense neurons: their FFN row is ignored and the expert row restricts routing
-  instead (model.py).
+  instead (experts.py).
 
 Rows are nominal-width (``arch.intermediate_size``, ``num_attention_heads``); a layer uses the
 first ``width`` bits. A row whose bits are all set restricts nothing and keeps the fast path, so a
