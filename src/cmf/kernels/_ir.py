@@ -26,7 +26,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._jit import host_has
+from ..numba_prims import host_has
+from ..numba_prims import ir_pointers as _pointers
+from ..numba_prims import ir_splat as _splat
+from ..numba_prims import ir_vec_load as _vec_load
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -34,25 +37,10 @@ _VF = ir.VectorType(_F32, 16)
 _FM = ("contract",)  # let LLVM fuse multiply-adds; no reassociation
 
 
-def _pointers(context, builder, signature, args, *which):  # noqa: ANN001, ANN202
-    """Data pointers of the array arguments at positions ``which`` of an intrinsic's call."""
-    return [context.make_array(signature.args[i])(context, builder, args[i]).data for i in which]
-
-
 def _load_f16(builder, ptr):  # noqa: ANN001, ANN202
     """float32 of the little-endian f16 at a byte pointer."""
     raw = builder.load(builder.bitcast(ptr, _I16.as_pointer()), align=1)
     return builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
-
-
-def _vec_load(builder, ptr, ty):  # noqa: ANN001, ANN202
-    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
-
-
-def _splat(builder, value, ty):  # noqa: ANN001, ANN202
-    v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(_I32, 0))
-    zeros = ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count)
-    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), zeros)
 
 
 def _hsum(builder, vec):  # noqa: ANN001, ANN202
@@ -340,30 +328,6 @@ tile_dot_i8_crumbs = _make_tile_dot_i8(8)
 # x in three int8 pieces (x ≈ d·(q0 + q1/128 + q2/128²)): the exact-mode products
 tile_dot_i8x3_nibbles = _make_tile_dot_i8(16, 3)
 tile_dot_i8x3_crumbs = _make_tile_dot_i8(8, 3)
-
-
-@intrinsic
-def expand_nibbles(typingctx, src, soff, scale, out, ooff):  # noqa: ANN001
-    """out[ooff : ooff + 32] = (nibble − 8)·scale for the 16 bytes at src[soff:] (weight 2k is
-    byte k's low nibble, 2k+1 its high one): one 16-byte load, the two nibble vectors interleaved
-    by a byte shuffle, one conversion and a 32-lane multiply — the same float32 operations as
-    ``(lo_nibble(b) − 8)·s`` one weight at a time, so the same bits."""
-    sig = types.void(src, types.int64, types.float32, out, types.int64)
-
-    def codegen(context, builder, signature, args):
-        sp, op = _pointers(context, builder, signature, args, 0, 3)
-        b16 = ir.VectorType(_I8, 16)
-        v32 = ir.VectorType(_F32, 32)
-        raw = _vec_load(builder, cgutils.gep(builder, sp, args[1]), b16)
-        lo = builder.and_(raw, ir.Constant(b16, [15] * 16))
-        hi = builder.lshr(raw, ir.Constant(b16, [4] * 16))
-        mix = ir.Constant(ir.VectorType(_I32, 32), [v for k in range(16) for v in (k, 16 + k)])
-        codes = builder.uitofp(builder.shuffle_vector(lo, hi, mix), v32)
-        vals = builder.fmul(builder.fsub(codes, ir.Constant(v32, [8.0] * 32)), _splat(builder, args[2], v32))
-        builder.store(vals, builder.bitcast(cgutils.gep(builder, op, args[4]), v32.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 def _make_quantize_group(phases: int, pieces: int):  # noqa: ANN202 - returns a numba intrinsic

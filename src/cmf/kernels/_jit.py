@@ -15,7 +15,6 @@ products below ``PARALLEL_MIN_BYTES`` of payload call the serial body directly.
 from __future__ import annotations
 
 import mmap
-import platform
 import threading
 import weakref
 
@@ -25,6 +24,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ..numba_prims import HW_F16, bits_as_f32, chunk, f16_hw, f16_soft, f16_to_f32, host_has, scratch
 
 # reassoc lets LLVM vectorize float reductions; no nnan/ninf, so crafted inf/NaN weights give
 # inf/NaN results instead of undefined behaviour.
@@ -41,48 +42,9 @@ PARALLEL_ORDERED = dict(SERIAL_ORDERED, parallel=True)
 PARALLEL_MIN_BYTES = 1 << 18
 
 
-def host_has(*features: str) -> bool:
-    """Whether the CPU numba compiles for has every LLVM feature named (``"f16c"``, ``"avx512vnni"``)."""
-    try:
-        from llvmlite import binding
-
-        have = set(binding.get_host_cpu_features().flatten().split(","))
-    except Exception:  # pragma: no cover - exotic llvmlite builds
-        return False
-    return all(f"+{f}" in have for f in features)
-
-
-HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or host_has("f16c")
-
-
-@intrinsic
-def bits_as_f32(typingctx, x):  # noqa: ANN001 - numba intrinsic signature
-    """Reinterpret a uint32 as float32."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _f16_hw(typingctx, h):  # noqa: ANN001
-    """uint16 f16 bits -> float32 through LLVM's half type (one vcvtph2ps when vectorized)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@numba.njit(inline="always")
-def _f16_soft(h):  # pragma: no cover - compiled
-    em = np.uint32(h) & np.uint32(0x7FFF)
-    sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
-    if em >= np.uint32(0x7C00):  # inf / NaN: all-ones exponent, payload kept
-        return bits_as_f32(sign | (em << np.uint32(13)) | np.uint32(0x7F800000))
-    # normal and subnormal halves: shift into an f32 pattern, then rescale by 2^112 (exact)
-    v = bits_as_f32(em << np.uint32(13)) * np.float32(5.192296858534828e33)
-    return -v if sign else v
-
-
-f16_to_f32 = _f16_hw if HW_F16 else _f16_soft
+# f16 conversion, CPU features, chunking and scratch live in the neutral bottom module, shared
+# with cmf.quant's decoders; they are re-exported here for the kernels.
+_f16_hw, _f16_soft = f16_hw, f16_soft  # the two f16 conversions by their old names (tests)
 
 
 @numba.njit(inline="always")
@@ -263,14 +225,6 @@ def group_scales(typingctx, sc, planes, tg, t0, powers, s, mode):  # noqa: ANN00
 # threading and scratch
 
 
-@numba.njit(inline="always")
-def chunk(n, nt, j, align):  # pragma: no cover - compiled
-    """Thread j's contiguous share [r0, r1) of n items split nt ways, in multiples of ``align``."""
-    step = ((n + nt - 1) // nt + align - 1) // align * align
-    r0 = min(n, j * step)
-    return r0, min(n, r0 + step)
-
-
 def threads() -> int:
     """numba's current thread count (``numba.set_num_threads`` changes it)."""
     return numba.get_num_threads()
@@ -380,26 +334,3 @@ def huge_zeros(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
     # pages go back only when no view can read them
     weakref.finalize(root, _give_back, m, start + off, start + off + nbytes)
     return root.view(dtype).reshape(shape)
-
-
-_local = threading.local()
-
-
-def scratch(name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
-    """A reusable per-thread buffer (contents undefined): no allocation or page faults per call.
-
-    One buffer per ``name`` is kept per Python thread and grown when a larger one is asked for,
-    so the whole process holds a few MB of scratch however many matrices it prepares.
-    """
-    pool = getattr(_local, "pool", None)
-    if pool is None:
-        pool = _local.pool = {}
-    n = 1
-    for d in shape:
-        n *= int(d)
-    need = n * np.dtype(dtype).itemsize
-    buf = pool.get(name)
-    if buf is None or buf.size < need:
-        buf = np.empty(max(need, 4096), np.uint8)
-        pool[name] = buf
-    return buf[:need].view(dtype).reshape(shape)

@@ -24,8 +24,7 @@ import numpy as np
 from numba import prange
 
 from ..format.constants import GROUP
-from ..quant import _fast
-from ..quant.q1 import TERNARY_LUT
+from ..quant import F16_TABLE, TERNARY_LUT, q1_range, q1t_range, vbit_range
 
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL_ORDERED, scratch, threads
 from ._jit import chunk as _chunk
@@ -102,7 +101,7 @@ def vbit_gemm(addr, ilp64, data, widths, starts, soff, table, X, Y, bufs, nt):  
         r = r0
         while r < r1:
             e = min(r1, r + R)
-            _fast._vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, np.int64(0), e - r)
+            vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, np.int64(0), e - r)
             sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
             r = e
 
@@ -123,9 +122,9 @@ def q1_gemm(addr, ilp64, kind, tiles, table, lut, ptr, ent, X, Y, bufs, nt):  # 
             groups = buf[:e - r].reshape(-1, GROUP)
             src = tiles[r:e].reshape(-1, tiles.shape[2])
             if kind == Q1T:
-                _fast._q1t_range(src, table, lut, groups, 0, (e - r) * gpr)
+                q1t_range(src, table, lut, groups, 0, (e - r) * gpr)
             else:
-                _fast._q1_range(src, table, groups, 0, (e - r) * gpr)
+                q1_range(src, table, groups, 0, (e - r) * gpr)
             overlay_rows(kind, ptr, ent, r, e, k, buf)
             sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
             r = e
@@ -197,10 +196,10 @@ def matmul(op, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:  # n
         elif isinstance(op, Q8Linear):
             q8_gemm(a, w64, op.q, op.s, op.col, op.all_rows, X, Y, _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         elif isinstance(op, VbitLinear):
-            vbit_gemm(a, w64, op.data, op.widths, op.starts, op.soff, _fast.F16_TABLE, X, Y,
+            vbit_gemm(a, w64, op.data, op.widths, op.starts, op.soff, F16_TABLE, X, Y,
                       _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         elif isinstance(op, Q1Linear):
-            q1_gemm(a, w64, op.kind, op.tiles, _fast.F16_TABLE, TERNARY_LUT, op.ptr, op.ent, X, Y,
+            q1_gemm(a, w64, op.kind, op.tiles, F16_TABLE, TERNARY_LUT, op.ptr, op.ent, X, Y,
                     _bufs("gemm-f", nt, _step_rows(k, 16), k), nt)
         else:
             if op.ntiles:

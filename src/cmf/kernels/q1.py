@@ -21,8 +21,7 @@ from numba import prange
 
 from ..format.constants import GROUP, Dtype
 from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
-from ..quant import _fast
-from ..quant.q1 import TERNARY_LUT
+from ..quant import F16_TABLE, TERNARY_LUT, q1_range, q1t_range
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
 from ._jit import PARALLEL, SERIAL, chunk, f16_at, threads
@@ -197,9 +196,9 @@ class Q1Linear(FusedLinear):
         tiles = self.tiles[r0:r1].reshape(-1, self.tiles.shape[2])
         groups = out.reshape(-1, GROUP)
         if self.kind == Q1T:
-            _fast._q1t_range(tiles, _fast.F16_TABLE, TERNARY_LUT, groups, 0, (r1 - r0) * gpr)
+            q1t_range(tiles, F16_TABLE, TERNARY_LUT, groups, 0, (r1 - r0) * gpr)
         else:
-            _fast._q1_range(tiles, _fast.F16_TABLE, groups, 0, (r1 - r0) * gpr)
+            q1_range(tiles, F16_TABLE, groups, 0, (r1 - r0) * gpr)
         overlay_rows(self.kind, self.ptr, self.ent, r0, r1, self.in_features, out)
 
     def _matmul(self, X, Y, par):

@@ -25,9 +25,9 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 def _exp2_table() -> np.ndarray:
-    from ..quant.float import _f16_table  # the exp2 every q4tp/q2tp encoder and decoder shares
+    from ..quant import exp2_f16_table  # the exp2 every q4tp/q2tp encoder and decoder shares
 
-    return _f16_table("exp2")
+    return exp2_f16_table()
 
 
 class TiledLinear(FusedLinear):

@@ -18,7 +18,7 @@ from numba import prange
 
 from ..format.constants import GROUP
 from ..format.dtypes import vbit_layout
-from ..quant import _fast
+from ..quant import F16_TABLE, vbit_range
 from ._base import FusedLinear
 from ._ir import vbit_dot3, vbit_dot4p, vbit_dot5, vbit_dot6, vbit_dot8
 from ._jit import PARALLEL, SERIAL, threads
@@ -106,7 +106,7 @@ def vbit_dequant_rows(data, widths, starts, soff, table, rows, out):  # pragma: 
     gpr = n // GROUP
     for i in range(rows.shape[0]):
         r = rows[i]
-        _fast._vbit_range(data, widths[r:r + 1], starts[r:r + 1], soff + 2 * r * gpr, table, n, out[i:i + 1],
+        vbit_range(data, widths[r:r + 1], starts[r:r + 1], soff + 2 * r * gpr, table, n, out[i:i + 1],
                           np.int64(0), np.int64(1))
 
 
@@ -129,12 +129,12 @@ class VbitLinear(FusedLinear):
     def _dequant(self, r0, r1, out, par):
         # the codec's numba decoder on a row range: pass it the rows' widths/starts/scales from r0
         gpr = self.in_features // GROUP
-        _fast._vbit_range(self.data, self.widths[r0:r1], self.starts[r0:r1], self.soff + 2 * r0 * gpr,
-                          _fast.F16_TABLE, self.in_features, out, 0, r1 - r0)
+        vbit_range(self.data, self.widths[r0:r1], self.starts[r0:r1], self.soff + 2 * r0 * gpr,
+                          F16_TABLE, self.in_features, out, 0, r1 - r0)
 
     def _dequant_rows(self, rows, out, par):
         # not the codec's validating decode_rows: an embedding lookup per decoded token (~2 ms)
-        vbit_dequant_rows(self.data, self.widths, self.starts, self.soff, _fast.F16_TABLE, rows, out)
+        vbit_dequant_rows(self.data, self.widths, self.starts, self.soff, F16_TABLE, rows, out)
 
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)

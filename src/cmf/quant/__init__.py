@@ -33,20 +33,31 @@ from .float import f16_round, f16_scale, f32_to_bf16_bits, f32_to_f16_bits
 from .vbit import encode_family as encode_vbit_family
 from .vbit import family_biases as vbit_family_biases
 
+# What cmf.kernels reuses of the codecs: row-range decoders, the f16 and exp2 tables, q1t's digits.
+from ._fast import F16_TABLE, q1_range, q1t_range, vbit_range
+from .float import exp2_f16_table
+from .q1 import TERNARY_LUT
+
 __all__ = [
+    "F16_TABLE",
+    "TERNARY_LUT",
     "Codec",
     "decode",
     "decode_rows",
     "encode",
     "encode_vbit_family",
+    "exp2_f16_table",
     "f16_round",
     "f16_scale",
     "f32_to_bf16_bits",
     "f32_to_f16_bits",
     "get_codec",
+    "q1_range",
+    "q1t_range",
     "registered",
     "resolve_dtype",
     "vbit_family_biases",
+    "vbit_range",
 ]
 
 

@@ -3,7 +3,7 @@
 Each function writes into a preallocated float32 array and computes exactly what the numpy
 decoders compute (same operations, same order, no fastmath), so results are bit-identical; the
 tests compare the two. numba has no f16 type: f16 scales go through a 65536-entry table, whole
-f16 tensors through the exact register conversion of ``cmf.kernels._jit`` (it vectorizes).
+f16 tensors through the exact register conversion of ``cmf.numba_prims`` (it vectorizes).
 Scale ladders (q4tp/q2tp) are expanded beforehand (``ladder.q4tp_ladder``): exp2 must be the
 one table every encoder and decoder shares, not whatever exp2f LLVM links.
 
@@ -20,8 +20,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ..kernels._ir import expand_nibbles
-from ..kernels._jit import f16_to_f32  # exact conversions in registers
+from ..numba_prims import expand_nibbles, f16_to_f32  # exact conversions in registers
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -321,3 +320,10 @@ def q1t_decode(tiles: np.ndarray, table: np.ndarray, lut: np.ndarray, out: np.nd
         _q1t_par(tiles, table, lut, out, nt)
     else:
         _q1t_range(tiles, table, lut, out, 0, tiles.shape[0])
+
+
+# Row-range decoders the fused kernels reuse (cmf.kernels: vbit rows, q1/q1t groups), exported by
+# cmf.quant under these public names.
+vbit_range = _vbit_range
+q1_range = _q1_range
+q1t_range = _q1t_range

@@ -115,6 +115,12 @@ def _f16_table(name: str) -> np.ndarray:
     return table
 
 
+def exp2_f16_table() -> np.ndarray:
+    """exp2 of every f16 bit pattern (float32, 65536 entries, as the C library's exp2f): the one
+    table every q4tp/q2tp encoder, decoder and kernel shares. Treat it as read-only."""
+    return _f16_table("exp2")
+
+
 def log2_f16(bits: np.ndarray) -> np.ndarray:
     """log2 of f16 values given as bit patterns, as the C library's log2f computes it (float32)."""
     return _f16_table("log2")[np.asarray(bits, np.uint16)]

@@ -112,7 +112,7 @@ def supported() -> bool:
 def attend_blocked(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, q_pos0: int, k_pos0: int, *, scale: float,
                    window: int | None = None, softcap: float | None = None) -> np.ndarray:
     """q [T, H, D], keys [S, KV, D], vals [S, KV, Dv] → [T, H, Dv] (see the module docstring)."""
-    from ...kernels._jit import scratch
+    from ...numba_prims import scratch
 
     T, H, _ = q.shape
     S = keys.shape[0]

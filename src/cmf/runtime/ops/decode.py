@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ...kernels._jit import chunk
+from ...numba_prims import chunk
 from ...kernels.vmath import exp_f32
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}

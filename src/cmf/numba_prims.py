@@ -1,0 +1,153 @@
+"""The bottom of the compiled layers: numba primitives that both ``cmf.quant`` (the codecs'
+whole-tensor decoders) and ``cmf.kernels`` (the fused products) use, and the runtime's small
+shared pieces (thread chunking, scratch buffers). It imports nothing from cmf, so neither
+package has to reach into the other's private modules (tests/test_layering.py).
+
+- **CPU features**: :func:`host_has` (what numba compiles for) and ``HW_F16``.
+- **f16 → f32 in registers**: LLVM's ``half`` type (one ``vcvtph2ps`` per 16 values on F16C
+  CPUs, ``fcvt`` on ARM) or exact bit manipulation elsewhere (:func:`f16_soft`); both agree with
+  numpy's ``astype(float32)`` on all 65536 patterns (tested).
+- :func:`expand_nibbles`: 32 weights of a nibble group times a scale, one vector pass.
+- :func:`chunk` (thread j's share of a range) and :func:`scratch` (reused per-thread buffers).
+- ``ir_pointers`` / ``ir_vec_load`` / ``ir_splat``: LLVM IR helpers for intrinsics.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def host_has(*features: str) -> bool:
+    """Whether the CPU numba compiles for has every LLVM feature named (``"f16c"``, ``"avx512vnni"``)."""
+    try:
+        from llvmlite import binding
+
+        have = set(binding.get_host_cpu_features().flatten().split(","))
+    except Exception:  # pragma: no cover - exotic llvmlite builds
+        return False
+    return all(f"+{f}" in have for f in features)
+
+
+HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or host_has("f16c")
+
+
+@intrinsic
+def bits_as_f32(typingctx, x):  # noqa: ANN001 - numba intrinsic signature
+    """Reinterpret a uint32 as float32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def f16_hw(typingctx, h):  # noqa: ANN001
+    """uint16 f16 bits -> float32 through LLVM's half type (one vcvtph2ps when vectorized)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@numba.njit(inline="always")
+def f16_soft(h):  # pragma: no cover - compiled
+    """uint16 f16 bits -> float32 by exact bit manipulation (CPUs without a conversion)."""
+    em = np.uint32(h) & np.uint32(0x7FFF)
+    sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
+    if em >= np.uint32(0x7C00):  # inf / NaN: all-ones exponent, payload kept
+        return bits_as_f32(sign | (em << np.uint32(13)) | np.uint32(0x7F800000))
+    # normal and subnormal halves: shift into an f32 pattern, then rescale by 2^112 (exact)
+    v = bits_as_f32(em << np.uint32(13)) * np.float32(5.192296858534828e33)
+    return -v if sign else v
+
+
+f16_to_f32 = f16_hw if HW_F16 else f16_soft
+
+
+# ---------------------------------------------------------------------------------------------
+# LLVM IR helpers
+
+
+def ir_pointers(context, builder, signature, args, *which):  # noqa: ANN001, ANN201
+    """Data pointers of the array arguments at positions ``which`` of an intrinsic's call."""
+    return [context.make_array(signature.args[i])(context, builder, args[i]).data for i in which]
+
+
+def ir_vec_load(builder, ptr, ty):  # noqa: ANN001, ANN201
+    """An unaligned load of vector type ``ty`` from a byte pointer."""
+    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
+
+
+def ir_splat(builder, value, ty):  # noqa: ANN001, ANN201
+    """``value`` in every lane of vector type ``ty``."""
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count)
+    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), zeros)
+
+
+@intrinsic
+def expand_nibbles(typingctx, src, soff, scale, out, ooff):  # noqa: ANN001
+    """out[ooff : ooff + 32] = (nibble − 8)·scale for the 16 bytes at src[soff:] (weight 2k is
+    byte k's low nibble, 2k+1 its high one): one 16-byte load, the two nibble vectors interleaved
+    by a byte shuffle, one conversion and a 32-lane multiply — the same float32 operations as
+    ``(lo_nibble(b) − 8)·s`` one weight at a time, so the same bits."""
+    sig = types.void(src, types.int64, types.float32, out, types.int64)
+
+    def codegen(context, builder, signature, args):
+        sp, op = ir_pointers(context, builder, signature, args, 0, 3)
+        b16 = ir.VectorType(_I8, 16)
+        v32 = ir.VectorType(_F32, 32)
+        raw = ir_vec_load(builder, cgutils.gep(builder, sp, args[1]), b16)
+        lo = builder.and_(raw, ir.Constant(b16, [15] * 16))
+        hi = builder.lshr(raw, ir.Constant(b16, [4] * 16))
+        mix = ir.Constant(ir.VectorType(_I32, 32), [v for k in range(16) for v in (k, 16 + k)])
+        codes = builder.uitofp(builder.shuffle_vector(lo, hi, mix), v32)
+        vals = builder.fmul(builder.fsub(codes, ir.Constant(v32, [8.0] * 32)), ir_splat(builder, args[2], v32))
+        builder.store(vals, builder.bitcast(cgutils.gep(builder, op, args[4]), v32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# threading and scratch
+
+
+@numba.njit(inline="always")
+def chunk(n, nt, j, align):  # pragma: no cover - compiled
+    """Thread j's contiguous share [r0, r1) of n items split nt ways, in multiples of ``align``."""
+    step = ((n + nt - 1) // nt + align - 1) // align * align
+    r0 = min(n, j * step)
+    return r0, min(n, r0 + step)
+
+
+_local = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """A reusable per-thread buffer (contents undefined): no allocation or page faults per call.
+
+    One buffer per ``name`` is kept per Python thread and grown when a larger one is asked for,
+    so the whole process holds a few MB of scratch however many matrices it prepares.
+    """
+    pool = getattr(_local, "pool", None)
+    if pool is None:
+        pool = _local.pool = {}
+    n = 1
+    for d in shape:
+        n *= int(d)
+    need = n * np.dtype(dtype).itemsize
+    buf = pool.get(name)
+    if buf is None or buf.size < need:
+        buf = np.empty(max(need, 4096), np.uint8)
+        pool[name] = buf
+    return buf[:need].view(dtype).reshape(shape)
