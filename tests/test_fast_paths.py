@@ -241,6 +241,20 @@ def test_qk_norm_rope_matches_numpy() -> None:
     assert math.isfinite(float(q.sum()))
 
 
+def test_rope_rows_is_apply_rope_to_the_bit() -> None:
+    """Blocks of tokens (MLA) rotate with the decode step's RoPE kernel: the same bits as numpy's."""
+    from cmf.runtime.ops.rope import apply_rope, build_rope
+
+    rng = np.random.default_rng(6)
+    for dim, partial, t, heads in ((64, 1.0, 37, 4), (16, 0.5, 5, 1), (32, 1.0, 1, 8)):
+        rope = build_rope(10000.0, dim, partial=partial)
+        cos, sin = rope.cos_sin(np.arange(100, 100 + t))
+        x = (rng.standard_normal((t, heads, dim)) * 5).astype(np.float32)
+        want = apply_rope(x.copy(), cos, sin)
+        got = rowwise.rope_rows(x.copy(), cos, sin)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_packed_4bit_sources_are_released_and_refault_correctly(tmp_path) -> None:
     from cmf.runtime.memory import PackedSourceReleaser
 

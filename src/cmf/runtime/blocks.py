@@ -15,12 +15,11 @@ from .ops import attention_block, gdn
 from .ops.activations import activation
 from .ops.attention import attend
 from .ops.linear import mm
-from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows
+from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows, rope_rows
 from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
-from .ops.rope import apply_rope
 from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
 from .weights import Weights
 
@@ -157,8 +156,8 @@ class LatentAttention:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         if a.rotate:
             cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
-            q_rot = apply_rope(q_rot, cos, sin)
-            k_rot = apply_rope(k_rot, cos, sin)
+            q_rot = rope_rows(np.ascontiguousarray(q_rot), cos, sin)
+            k_rot = rope_rows(np.ascontiguousarray(k_rot), cos, sin)
         latents, k_rots, k0 = kv.append(latent[:, None, :], k_rot)
         wk, wv = self._kv_b()
         out = latent_attend(q_nope, q_rot, latents[:, 0], k_rots[:, 0], wk, wv, pos0, k0, a.scale)

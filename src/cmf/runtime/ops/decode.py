@@ -62,8 +62,9 @@ def add_norm_into(x, a, w, eps, out):  # pragma: no cover - compiled
 
 
 @numba.njit(**_EXACT)
-def _rope(h, cos, sin):  # pragma: no cover - compiled
-    """Half-split rotation of the first cos.shape[0] dims of each head, in place."""
+def rope_into(h, cos, sin):  # pragma: no cover - compiled
+    """Half-split rotation of the first cos.shape[0] dims of each head h [heads, D], in place: the
+    one RoPE of the runtime (the decode step, blocks of tokens through ops/rowwise.py)."""
     rot = cos.shape[0]
     half = rot // 2
     for j in range(h.shape[0]):
@@ -82,8 +83,8 @@ def qk_norm_rope(q, k, qn, kn, eps, cos, sin):  # pragma: no cover - compiled
     if kn.shape[0]:
         rms_norm_into(k, kn, eps, k)
     if cos.shape[0]:
-        _rope(q, cos, sin)
-        _rope(k, cos, sin)
+        rope_into(q, cos, sin)
+        rope_into(k, cos, sin)
 
 
 @numba.njit(**_FAST)

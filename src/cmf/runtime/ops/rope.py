@@ -33,7 +33,11 @@ class RopeProfile:
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x [T, heads, head_dim] in place of its first cos.shape[-1] dims; returns x."""
+    """Rotate x [T, heads, head_dim] in place of its first cos.shape[-1] dims; returns x.
+
+    The numpy reference: the runtime rotates with one kernel, ``ops/decode.rope_into`` (the
+    decode step, and blocks of tokens through ``rowwise.qk_norm_rope_rows`` / ``rope_rows``),
+    which computes the same float32 operations and is tested equal to this to the bit."""
     d = cos.shape[-1]
     if d == 0:
         return x

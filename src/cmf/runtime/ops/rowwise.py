@@ -13,7 +13,7 @@ import numpy as np
 from numba import prange
 
 from ...kernels.vmath import gated
-from .decode import qk_norm_rope, rms_norm_into
+from .decode import qk_norm_rope, rms_norm_into, rope_into
 
 _PAR = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True,
         "fastmath": {"contract", "nsz", "arcp", "reassoc"}}
@@ -79,6 +79,25 @@ def qk_norm_rope_rows(q: np.ndarray, k: np.ndarray, qn: np.ndarray | None, kn: n
     _qk_norm_rope_rows(q, k, _EMPTY if qn is None else qn, _EMPTY if kn is None else kn, float(eps),
                        np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
                        _threads(q.size))
+
+
+@numba.njit(**_EXACT_PAR)
+def _rope_rows(x, cos, sin, nt):  # pragma: no cover - compiled
+    T = x.shape[0]
+    step = (T + nt - 1) // nt
+    for j in prange(nt):
+        for t in range(j * step, min(T, (j + 1) * step)):
+            rope_into(x[t], cos[t], sin[t])
+
+
+def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE of a block of tokens in place, x [T, heads, D] C-contiguous float32, cos/sin [T, rotary_dim]:
+    each token is the decode step's rotation (``decode.rope_into``), the values of ``rope.apply_rope``
+    (the same float32 operations, no fastmath). Returns x."""
+    if cos.shape[-1]:
+        _rope_rows(x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+                   _threads(x.size))
+    return x
 
 
 def rms_norm_rows(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
