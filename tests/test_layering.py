@@ -210,6 +210,25 @@ def test_quant_does_not_import_kernels():
     assert bad == []
 
 
+def test_no_lazy_cycles_in_the_compiled_layers():
+    """In cmf.numba_prims, cmf.quant and cmf.kernels not even imports inside functions form a
+    cycle (the batched products: each family's body is in its module, kernels/gemm.py imports none)."""
+    layers = ("cmf.numba_prims", "cmf.quant", "cmf.kernels")
+    g: dict[str, set[str]] = {}
+    for mod, tree in TREES.items():
+        if _package(mod) not in layers:
+            continue
+        deps = g.setdefault(mod, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target, _ in _targets(mod, node):
+                    while target not in MODULES and "." in target:
+                        target = target.rsplit(".", 1)[0]
+                    if target in MODULES and target != mod and _package(target) in layers:
+                        deps.add(target)
+    assert _cycles(g) == []
+
+
 def test_numba_prims_is_a_bottom_module():
     """cmf.numba_prims imports nothing from cmf (both quant and kernels build on it)."""
     tree = TREES["cmf.numba_prims"]

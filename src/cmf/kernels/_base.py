@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..format.errors import BoundsError
+from . import gemm
 from ._jit import parallel_for, scratch
 
 # f32 rows per batched tile: ~1 MB fits the L2 cache, so BLAS reads what was just written.
@@ -178,8 +179,6 @@ class FusedLinear:
         Families with a per-thread dequantize + sgemm kernel (``kernels.gemm``: OpenBLAS called
         from the numba threads, one thread pool) use it for whole matrices."""
         if rows is None:
-            from . import gemm  # lazy: gemm builds on the family modules
-
             if gemm.supported(self):
                 return gemm.matmul(self, X)
         n = self.out_features if rows is None else rows.size

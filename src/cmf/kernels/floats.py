@@ -14,7 +14,10 @@ from numba import prange
 
 from ..format.constants import Dtype
 from ._base import FusedLinear, as_batch
+from . import gemm
 from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threads
+from ._jit import chunk as _chunk
+from .blas import TRANS, sgemm
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -143,6 +146,10 @@ def half_dequant_par(w, kind, rows, out, nt):  # pragma: no cover - compiled
 class F32Linear(FusedLinear):
     """f32: BLAS on the zero-copy view of the mapped bytes."""
 
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        f32_gemm(a, w64, self.w, X, Y, nt)
+
     fused_max_t = 1 << 62  # BLAS handles every batch size itself
     rows_exact = True  # fused() runs f32_rows: one row's dot products whatever the batch
 
@@ -182,6 +189,11 @@ class F32Linear(FusedLinear):
 class HalfLinear(FusedLinear):
     """f16 / bf16: converted in registers, never widened in memory."""
 
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        k = X.shape[1]
+        half_gemm(a, w64, self.w, self.kind, self.all_rows, X, Y, gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+
     fused_max_t = 8  # measured crossover with dequantize + sgemm: T ~ 8-10 (benchmarks/quant.py)
     rows_exact = True  # half_rows: one row's dot products, the same for every batch size
 
@@ -208,3 +220,34 @@ class HalfLinear(FusedLinear):
             half_dequant_par(self.w, self.kind, rows, out, threads())
         else:
             half_dequant(self.w, self.kind, rows, out)
+
+
+# -- prefill: dequantize + sgemm per numba thread (kernels/gemm.py drives it)
+
+
+@numba.njit(**PARALLEL)
+def f32_gemm(addr, ilp64, w, X, Y, nt):  # pragma: no cover - compiled
+    """Y = X @ w.T with w the mapped f32 rows: one sgemm per thread on its rows."""
+    T, k = X.shape
+    n = w.shape[0]
+    for j in prange(nt):
+        r0, r1 = _chunk(n, nt, j, 16)
+        if r1 > r0:
+            sgemm(addr, ilp64, TRANS, T, r1 - r0, k, X, k, w[r0:], k, Y[:, r0:], n)
+
+
+@numba.njit(**PARALLEL)
+def half_gemm(addr, ilp64, w, kind, rows, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """f16/bf16: convert R rows into the thread's buffer, then sgemm."""
+    T, k = X.shape
+    n = rows.shape[0]
+    R = bufs.shape[1]
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            half_dequant(w, kind, rows[r:e], buf)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e

@@ -24,7 +24,10 @@ from ..format.dtypes import numel, q1s_overlay_count, q1t_row_ptr
 from ..quant import F16_TABLE, TERNARY_LUT, q1_range, q1t_range
 from ._base import FusedLinear
 from ._ir import q1_dot, q1t_dot
+from . import gemm
 from ._jit import PARALLEL, SERIAL, chunk, f16_at, threads
+from ._jit import chunk as _chunk
+from .blas import TRANS, sgemm
 from .q4 import R as TILE_R
 from .tiled import TiledLinear
 from .vbit import group_sums
@@ -144,6 +147,12 @@ def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[n
 class Q1Linear(FusedLinear):
     """``q1`` / ``q1s`` / ``q1t``."""
 
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        k = X.shape[1]
+        q1_gemm(a, w64, self.kind, self.tiles, F16_TABLE, TERNARY_LUT, self.ptr, self.ent, X, Y,
+                gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
@@ -227,3 +236,30 @@ class Q1Linear(FusedLinear):
             q1_rows_par(*args, threads())
         else:
             q1_rows_all(*args)
+
+
+# -- prefill: dequantize + sgemm per numba thread (kernels/gemm.py drives it)
+
+
+@numba.njit(**PARALLEL)
+def q1_gemm(addr, ilp64, kind, tiles, table, lut, ptr, ent, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """q1 / q1s / q1t: R rows through the codec's group decoders (+ the q1s/q1t overlay), then sgemm."""
+    T, k = X.shape
+    n = tiles.shape[0]
+    R = bufs.shape[1]
+    gpr = k // GROUP
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            groups = buf[:e - r].reshape(-1, GROUP)
+            src = tiles[r:e].reshape(-1, tiles.shape[2])
+            if kind == Q1T:
+                q1t_range(src, table, lut, groups, 0, (e - r) * gpr)
+            else:
+                q1_range(src, table, groups, 0, (e - r) * gpr)
+            overlay_rows(kind, ptr, ent, r, e, k, buf)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e

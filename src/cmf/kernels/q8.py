@@ -14,7 +14,10 @@ from numba import prange
 
 from ..format.constants import Dtype
 from ._base import FusedLinear
+from . import gemm
 from ._jit import PARALLEL, SERIAL, int8_f32, threads
+from ._jit import chunk as _chunk
+from .blas import TRANS, sgemm
 
 
 @numba.njit(**SERIAL)
@@ -113,6 +116,11 @@ def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
 class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
 
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        k = X.shape[1]
+        q8_gemm(a, w64, self.q, self.s, self.col, self.all_rows, X, Y, gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
     rows_exact = True  # q8_rows: one row's dot products, the same for every batch size
 
@@ -146,3 +154,23 @@ class Q8Linear(FusedLinear):
             q8_dequant_par(self.q, self.s, self.col, rows, out, threads())
         else:
             q8_dequant(self.q, self.s, self.col, rows, out)
+
+
+# -- prefill: dequantize + sgemm per numba thread (kernels/gemm.py drives it)
+
+
+@numba.njit(**PARALLEL)
+def q8_gemm(addr, ilp64, q, s, col, rows, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """q8_row / q8_2f: dequantize R rows (the codec's evaluation order), then sgemm."""
+    T, k = X.shape
+    n = rows.shape[0]
+    R = bufs.shape[1]
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            q8_dequant(q, s, col, rows[r:e], buf)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e

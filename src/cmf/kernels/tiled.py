@@ -7,12 +7,16 @@ packed tile arrays (in huge pages), the activation mode, and the mat-vec / row /
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+from numba import prange
 
 from ..format.constants import GROUP, Dtype
-from . import _base
+from . import _base, gemm
 from ._base import FusedLinear, TILE_BYTES
-from ._jit import huge_zeros, scratch, threads
+from ._jit import PARALLEL_ORDERED, SERIAL_ORDERED, huge_zeros, scratch, threads
+from ._jit import chunk as _chunk
+from .blas import NO_TRANS, TRANS, sgemm
 from .q4 import (CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH, ZERO, R,
                  block_par, decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
 from .xprep import fill_x
@@ -33,6 +37,16 @@ def _exp2_table() -> np.ndarray:
 class TiledLinear(FusedLinear):
     """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles; also the base
     of q1t (its overlay is added by ``q1.Q1Linear``)."""
+
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        k = X.shape[1]
+        if self.ntiles:
+            per = max(1, gemm.step_rows(k, R) // R)
+            tiled_gemm(a, w64, self.ntiles, *self._args(), X, Y, gemm.bufs("gemm-t", nt, k, per * R), nt)
+        if self.tail.size:
+            buf = scratch("gemm-tail", (self.tail.size, k))
+            tiled_tail(a, w64, self.tail, self.kind, self.src, self.scs, self.cs, self.params, self.exp2tab, X, Y, buf)
 
     # Batches up to fused_max_t tokens run the decode loop (one token at a time, the weights
     # streamed with prefetch), larger ones the block loop (q4.block_par) or, without VNNI,
@@ -174,8 +188,6 @@ class TiledLinear(FusedLinear):
             Y = np.empty((X.shape[0], self.out_features), np.float32)
             block_par(X, self.all_tiles, self.tail, *self._args(), Y, threads(), self.pieces)
             return Y
-        from . import gemm  # lazy: gemm builds on this module
-
         if gemm.supported(self):
             return gemm.matmul(self, X)
         # whole tiles, dequantized transposed ([in, k·R]) so BLAS reads them as W.T
@@ -198,3 +210,33 @@ class TiledLinear(FusedLinear):
             self._decode(self.tail, w)
             np.dot(w, Xt, out=Yt[self.ntiles * R:])
         return np.ascontiguousarray(Yt.T)
+
+
+# -- prefill: dequantize + sgemm per numba thread (kernels/gemm.py drives it)
+
+
+@numba.njit(**PARALLEL_ORDERED)
+def tiled_gemm(addr, ilp64, ntiles, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, X, Y, bufs,
+               nt):  # pragma: no cover - compiled
+    """4-bit family: whole 64-row tiles dequantized transposed ([in, m·64]), then sgemm."""
+    T, k = X.shape
+    n = Y.shape[1]
+    per = bufs.shape[2] // R  # tiles per step
+    for j in prange(nt):
+        buf = bufs[j]
+        t0, t1 = _chunk(ntiles, nt, j, 1)
+        t = t0
+        while t < t1:
+            e = min(t1, t + per)
+            tiles_dequant_t(t, e, kind, planes, sc, cw, lad, params, exp2tab, ready, src, scs, cs, buf)
+            sgemm(addr, ilp64, NO_TRANS, T, (e - t) * R, k, X, k, buf, bufs.shape[2], Y[:, t * R:], n)
+            t = e
+
+
+@numba.njit(**SERIAL_ORDERED)
+def tiled_tail(addr, ilp64, tail, kind, src, scs, cs, params, exp2tab, X, Y, buf):  # pragma: no cover
+    """Rows past the last whole tile: decoded from the stored layout, then one sgemm."""
+    T, k = X.shape
+    m = tail.shape[0]
+    decode_rows(tail, kind, src, scs, cs, params, exp2tab, buf)
+    sgemm(addr, ilp64, TRANS, T, m, k, X, k, buf, k, Y[:, tail[0]:], Y.shape[1])

@@ -21,7 +21,10 @@ from ..format.dtypes import vbit_layout
 from ..quant import F16_TABLE, vbit_range
 from ._base import FusedLinear
 from ._ir import vbit_dot3, vbit_dot4p, vbit_dot5, vbit_dot6, vbit_dot8
+from . import gemm
 from ._jit import PARALLEL, SERIAL, threads
+from ._jit import chunk as _chunk
+from .blas import TRANS, sgemm
 
 
 @numba.njit(**SERIAL)
@@ -113,6 +116,12 @@ def vbit_dequant_rows(data, widths, starts, soff, table, rows, out):  # pragma: 
 class VbitLinear(FusedLinear):
     """``vbit`` / ``vbit_ro``."""
 
+    def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
+        """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
+        k = X.shape[1]
+        vbit_gemm(a, w64, self.data, self.widths, self.starts, self.soff, F16_TABLE, X, Y,
+                  gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
@@ -145,3 +154,24 @@ class VbitLinear(FusedLinear):
             vbit_rows_par(*args, threads())
         else:
             vbit_rows_all(*args)
+
+
+# -- prefill: dequantize + sgemm per numba thread (kernels/gemm.py drives it)
+
+
+@numba.njit(**PARALLEL)
+def vbit_gemm(addr, ilp64, data, widths, starts, soff, table, X, Y, bufs, nt):  # pragma: no cover - compiled
+    """vbit / vbit_ro: R rows at a time through the codec's row-range decoder, then sgemm."""
+    T, k = X.shape
+    n = widths.shape[0]
+    R = bufs.shape[1]
+    gpr = k // GROUP
+    for j in prange(nt):
+        buf = bufs[j]
+        r0, r1 = _chunk(n, nt, j, 16)
+        r = r0
+        while r < r1:
+            e = min(r1, r + R)
+            vbit_range(data, widths[r:e], starts[r:e], soff + 2 * r * gpr, table, k, buf, np.int64(0), e - r)
+            sgemm(addr, ilp64, TRANS, T, e - r, k, X, k, buf, k, Y[:, r:], n)
+            r = e
