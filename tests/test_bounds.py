@@ -125,7 +125,7 @@ def test_depth_walk_is_iterative() -> None:
     ("{{ 'x'.ljust(10**9) }}", "argument"),
     ("{{ 'x'|center(10**9) }}", "argument"),
     ("{{ messages|tojson(indent=10**9) }}", "argument"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "output over"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "output over|rendering took over"),  # the time bound first on a loaded machine
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion"),
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
     ("{{ cycler.__init__.__globals__.os }}", "unsafe"),
