@@ -210,10 +210,11 @@ def test_quant_does_not_import_kernels():
     assert bad == []
 
 
-def test_no_lazy_cycles_in_the_compiled_layers():
-    """In cmf.numba_prims, cmf.quant and cmf.kernels not even imports inside functions form a
-    cycle (the batched products: each family's body is in its module, kernels/gemm.py imports none)."""
-    layers = ("cmf.numba_prims", "cmf.quant", "cmf.kernels")
+def test_no_lazy_cycles_up_to_the_runtime():
+    """In cmf.format, cmf.numba_prims, cmf.quant, cmf.kernels and cmf.runtime not even imports
+    inside functions form a cycle between modules (the batched products: each family's body is in
+    its module and kernels/gemm.py imports none; runtime/step.py does not import blocks.py)."""
+    layers = ("cmf.format", "cmf.numba_prims", "cmf.quant", "cmf.kernels", "cmf.runtime")
     g: dict[str, set[str]] = {}
     for mod, tree in TREES.items():
         if _package(mod) not in layers:
@@ -239,7 +240,8 @@ def test_numba_prims_is_a_bottom_module():
 @pytest.mark.parametrize("case", ["relative", "private-name"])
 def test_the_checks_see_what_they_look_for(case):
     """The analysis itself: a relative import resolves, a private name is reported."""
-    node = ast.parse("from ..quant import _fast" if case == "relative" else "from ..quant.float import _f16_table").body[0]
+    code = "from ..quant import _fast" if case == "relative" else "from ..quant.float import _f16_table"
+    node = ast.parse(code).body[0]
     got = _targets("cmf.kernels.gemm", node)
     if case == "relative":
         assert got == [("cmf.quant._fast", None)] and _private(got[0][0])

@@ -192,7 +192,8 @@ class HalfLinear(FusedLinear):
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
         k = X.shape[1]
-        half_gemm(a, w64, self.w, self.kind, self.all_rows, X, Y, gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+        half_gemm(a, w64, self.w, self.kind, self.all_rows, X, Y,
+                  gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
 
     fused_max_t = 8  # measured crossover with dequantize + sgemm: T ~ 8-10 (benchmarks/quant.py)
     rows_exact = True  # half_rows: one row's dot products, the same for every batch size

@@ -119,7 +119,8 @@ class Q8Linear(FusedLinear):
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
         k = X.shape[1]
-        q8_gemm(a, w64, self.q, self.s, self.col, self.all_rows, X, Y, gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
+        q8_gemm(a, w64, self.q, self.s, self.col, self.all_rows, X, Y,
+                gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
 
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
     rows_exact = True  # q8_rows: one row's dot products, the same for every batch size

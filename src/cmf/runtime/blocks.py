@@ -21,6 +21,7 @@ from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
 from .ops.norm import prepare_norm_weight, rms_norm_prepared
 from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
+from .step import BlockStep
 from .weights import Weights
 
 
@@ -366,9 +367,8 @@ class Block:
         its products on ``nt`` threads."""
         if self.alive:
             if self._step is None:
-                from .step import BlockStep
-
-                self._step = BlockStep(self, x.shape[1])
+                self._step = BlockStep(self, x.shape[1], isinstance(self.mixer, Attention),
+                                       isinstance(self.ffn, DenseFfn))
             self._step(x, state, pos, nt)
         if self.n_exit is not None:  # in place, like the step (the caller keeps its x)
             x[...] = rms_norm_rows(x, self.n_exit, self.eps)

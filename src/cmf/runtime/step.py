@@ -166,16 +166,16 @@ class FfnStep:
 class BlockStep:
     """Per-layer buffers and the fused parts of one decoder layer."""
 
-    def __init__(self, block, n: int) -> None:  # noqa: ANN001 - blocks.Block
-        from .blocks import Attention, DenseFfn
-
+    def __init__(self, block, n: int, attention: bool, dense_ffn: bool) -> None:  # noqa: ANN001 - blocks.Block
+        """``attention`` / ``dense_ffn``: whether the block's mixer is a blocks.Attention and its FFN
+        a blocks.DenseFfn (the caller knows its classes; this module does not import blocks)."""
         self.block = block
         self.h = np.empty((1, n), np.float32)
         self.a = np.empty((1, n), np.float32)
         self.f = np.empty((1, n), np.float32)
         m, f = block.mixer, block.ffn
-        self.attn = AttnStep(m) if isinstance(m, Attention) and AttnStep.supports(m) else None
-        self.ffn = FfnStep(f) if isinstance(f, DenseFfn) and FfnStep.supports(f) else None
+        self.attn = AttnStep(m) if attention and AttnStep.supports(m) else None
+        self.ffn = FfnStep(f) if dense_ffn and FfnStep.supports(f) else None
         self._bound: tuple = (0, None, None)  # (threads, the FFN's products, the bound calls of _bind)
 
     def _bind(self, nt: int, ffn: tuple | None) -> tuple | None:
