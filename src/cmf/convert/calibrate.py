@@ -35,16 +35,13 @@ def check_text(text: str | os.PathLike) -> Path:
     return path
 
 
-def calibrate_source(source: str | os.PathLike, text: str | os.PathLike, work_dir: Path, *,
-                     revision: str | None = None, tokens: int = calib.DEFAULT_MAX_TOKENS,
-                     window: int = calib.DEFAULT_WINDOW, arch_extra: dict | None = None,
+def calibrate_source(write_f16: Callable[[Path], None], text: str | os.PathLike, work_dir: Path, *,
+                     tokens: int = calib.DEFAULT_MAX_TOKENS, window: int = calib.DEFAULT_WINDOW,
                      progress: Callable[[int], None] | None = None) -> calib.Calibration:
-    """Calibration statistics of the Hugging Face model ``source`` on ``text`` (see the module).
-
-    ``arch_extra``: header ``arch`` keys the real conversion adds to its plan (import-gguf's
-    ``rope_freq_factors``), so the calibrated model is the one being written."""
-    from .hf import execute, plan
-
+    """Calibration statistics on ``text`` of the model that ``write_f16(path)`` writes as an f16
+    CMF file (the converter's own plan of the source, with the arch keys the real conversion
+    adds, such as import-gguf's ``rope_freq_factors``, so the calibrated model is the one being
+    written); see the module docstring."""
     text = check_text(text)
     if not work_dir.is_dir():
         raise ConvertError(f"{work_dir}: output folder does not exist")
@@ -53,9 +50,7 @@ def calibrate_source(source: str | os.PathLike, text: str | os.PathLike, work_di
     tmp = Path(name)
     try:
         log.info("calibration: writing the source at f16 to %s", tmp)
-        p = plan(source, "f16", revision=revision)
-        p.header["arch"].update(arch_extra or {})
-        execute(p, tmp)
+        write_f16(tmp)
         return calib.collect(tmp, text, window=window, max_tokens=tokens, progress=progress)
     finally:
         tmp.unlink(missing_ok=True)

@@ -562,8 +562,14 @@ def attach_calibration(p: Plan, source: str | os.PathLike[str], text: str | os.P
 
     try:
         extra = {k: v for k, v in p.header["arch"].items() if k == "rope_freq_factors"}
-        cal = calibrate_source(source, text, work_dir, revision=revision, arch_extra=extra,
-                               tokens=tokens or _calib.DEFAULT_MAX_TOKENS, progress=progress)
+
+        def write_f16(path: Path) -> None:
+            p16 = plan(source, "f16", revision=revision)
+            p16.header["arch"].update(extra)
+            execute(p16, path)
+
+        cal = calibrate_source(write_f16, text, work_dir, tokens=tokens or _calib.DEFAULT_MAX_TOKENS,
+                               progress=progress)
     except BaseException:
         p.close()
         raise
