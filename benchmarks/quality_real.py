@@ -146,9 +146,7 @@ def main() -> None:
         if mb <= lo:
             continue
         out = work / f"smol-target-{ty}.cmf"
-        # --target-mb counts tensor payloads; leave room for the header, vocab and directory
-        overhead = f32.stat().st_size - sum(t.nbytes for t in cmf.open(f32).tensors())
-        requant(f32, out, quant="q4tp", calib=cal, target_mb=(mb * 1e6 - overhead) / 1e6, budget_cache=cache)
+        requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file
         ours(out, f"--target-mb ({ty} size) --calib")
 
     f32_ppl = rows[0][3]

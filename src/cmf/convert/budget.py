@@ -54,7 +54,7 @@ class BudgetPlan:
 
 
 def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int) -> int:
-    """The budget in bytes from ``--target-mb`` (10^6 bytes of tensor payloads) or ``--bpw``."""
+    """The budget in bytes from ``--target-mb`` (10^6 bytes) or ``--bpw`` (bits per weight)."""
     if (target_mb is None) == (bpw is None):
         raise ConvertError("give one of --target-mb and --bpw")
     if target_mb is not None:

@@ -115,7 +115,7 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
     activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
-    ``target_mb`` / ``bpw``: per-matrix dtypes along q2tp/q4tp/q8_row chosen to fit that size
+    ``target_mb`` / ``bpw``: per-matrix dtypes along q2tp/q4tp/q8_row chosen so the whole file fits
     (cmf.convert.budget; ``quant`` still decides what stays fixed; ``budget_cache``: a dict
     reused across calls on one model to measure each candidate once). ``calib`` may also be a
     :class:`cmf.calib.Calibration` already collected on ``src``. Raises WriterError when
@@ -135,7 +135,8 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
 
         with cmf_open(src) as f:
             total = sum(t.numel for t in f.tensors())
-        budget = target_bytes(target_mb, bpw, total)
+            overhead = _file_overhead(f)
+        budget = target_bytes(target_mb, bpw, total) - overhead
     cal = None
     if calib is not None and not isinstance(calib, (str, os.PathLike)):
         cal = calib  # a Calibration collected before
@@ -148,6 +149,18 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
     if in_place:
         return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
     return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget, budget_cache)
+
+
+def _file_overhead(f) -> int:  # noqa: ANN001 - a CmfFile
+    """Bytes of a rewrite of ``f`` that are not tensor payloads, at most: its own header, vocab,
+    masks and directory, plus the worst-case alignment padding of every payload (4096 for those
+    of 16 KiB and more, 64 below; spec §4): --target-mb / --bpw then bound the whole file."""
+    from ..format.constants import LARGE_TENSOR_ALIGN, TENSOR_ALIGN
+
+    tensors = list(f.tensors())
+    own = sum(p.stat().st_size for p in f.paths) - sum(t.nbytes for t in tensors)
+    pad = sum(LARGE_TENSOR_ALIGN - 1 if t.nbytes >= 16384 else TENSOR_ALIGN - 1 for t in tensors)
+    return max(own, 0) + pad
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
@@ -352,9 +365,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_calib_arguments(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--target-mb", type=float, metavar="N",
-                      help="fit the tensors in N MB (10^6 bytes): each matrix gets q2tp, q4tp or q8_row, whichever "
+                      help="fit the file in N MB (10^6 bytes): each matrix gets q2tp, q4tp or q8_row, whichever "
                            "mix loses least (predicted from --calib when given)")
-    size.add_argument("--bpw", type=float, metavar="B", help="as --target-mb, as bits per weight over all tensors")
+    size.add_argument("--bpw", type=float, metavar="B", help="as --target-mb, as file bits per weight (file size × 8 / all tensor elements)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
