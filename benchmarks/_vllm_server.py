@@ -10,6 +10,25 @@ import time
 from pathlib import Path
 
 
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float, name: str,
+               poll: float = 0.5) -> tuple[subprocess.Popen, str, int]:
+    """Wait until an OpenAI server on 127.0.0.1:``port`` answers /v1/models; kill it and raise
+    RuntimeError if it exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited at start")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return proc, "127.0.0.1", port
+        except OSError:
+            time.sleep(poll)
+    proc.kill()
+    raise RuntimeError(f"{name} did not start in {timeout:.0f} s")
+
+
 def start_vllm_server(python: str, folder: Path, ctx: int, dtype: str = "bfloat16",
                       timeout: float = 1200.0) -> tuple[subprocess.Popen, str, int]:
     """``python -m vllm.entrypoints.openai.api_server`` on the Hugging Face ``folder`` (the same
@@ -24,20 +43,7 @@ def start_vllm_server(python: str, folder: Path, ctx: int, dtype: str = "bfloat1
            "--max-model-len", str(ctx)]
     log = open(Path(folder) / "vllm-server.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited at start (log: {log.name})")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v1/models")
-            if conn.getresponse().status == 200:
-                return proc, "127.0.0.1", port
-        except OSError:
-            time.sleep(2)
-    proc.kill()
-    raise RuntimeError(f"vLLM's server did not start in {timeout:.0f} s")
-
+    return wait_ready(proc, port, timeout, f"vLLM's server (log: {log.name})", poll=2.0)
 
 def version(python: str) -> str:
     r = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm_server import wait_ready  # noqa: E402
 from _common import machine, table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -88,19 +89,7 @@ def start_llama_server(gguf: Path, ctx: int, threads: int) -> tuple[subprocess.P
            # its default lets each new request cut the running one short; queue them instead
            "--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("llama_cpp.server exited at start")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v1/models")
-            if conn.getresponse().status == 200:
-                return proc, "127.0.0.1", port
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama_cpp.server did not start")
+    return wait_ready(proc, port, 180, "llama_cpp.server")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -14,8 +14,8 @@ from cmf.convert.errors import ConvertError
 from cmf.format.errors import WriterError
 from cmf.format.reader import open as cmf_open
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
-BASE = SHARED / "base"
+from _shared_models import BASE, SHARED, base_f32  # noqa: F401 - the fixture
+
 
 
 def ladder(loss2: float, loss4: float, loss8: float, n: int = 100) -> list[Candidate]:
@@ -55,17 +55,6 @@ def test_target_and_loss_helpers():
     w = np.arange(12, dtype=np.float64).reshape(3, 4)
     assert relative_loss(w, w, None) == 0.0
     assert relative_loss(w, np.zeros_like(w), np.eye(4)) == pytest.approx(1.0)
-
-
-@pytest.fixture(scope="module")
-def base_f32(tmp_path_factory):
-    if not (BASE / "model.safetensors").exists():
-        pytest.skip("../shared/models/base not present")
-    from cmf.convert import convert
-
-    out = tmp_path_factory.mktemp("budget") / "base-f32.cmf"
-    convert(BASE, out, "f32")
-    return out
 
 
 def _payload_bytes(path: Path) -> tuple[int, dict[str, int]]:

@@ -20,9 +20,8 @@ from cmf.format.reader import open as cmf_open
 from cmf.format.writer import CmfWriter
 
 from _builders import header
+from _shared_models import BASE, SHARED, base_f32  # noqa: F401 - the fixture
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
-BASE = SHARED / "base"
 CALIB_TEXT = SHARED / "texts" / "man-calib.txt"
 needs_shared = pytest.mark.skipif(not (BASE / "model.safetensors").exists() or not CALIB_TEXT.exists(),
                                   reason="../shared/models (base model and texts) not present")
@@ -132,17 +131,6 @@ def test_without_statistics_encoding_is_plain():
 
 
 # -- statistics from a real model run -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def base_f32(tmp_path_factory):
-    if not (BASE / "model.safetensors").exists():
-        pytest.skip("../shared/models/base not present")
-    from cmf.convert import convert
-
-    out = tmp_path_factory.mktemp("calib") / "base-f32.cmf"
-    convert(BASE, out, "f32")
-    return out
-
 
 @needs_shared
 def test_collected_statistics_are_the_inputs_the_matrices_see(base_f32):
