@@ -31,7 +31,8 @@ from _common import append_entry, machine, table  # noqa: E402
 
 RUN_ONE = HERE / "fuzz" / "run_one.py"
 RESULTS = HERE / "RESULTS.md"
-HARNESS_NAMES = ("reader", "codecs", "skill", "gguf", "tokenizer", "template", "http", "pipeline")
+HARNESS_NAMES = ("reader", "codecs", "skill", "gguf", "tokenizer", "template", "http", "pipeline", "shards",
+                 "gguf_import", "skill_add")
 # per-input limits: the template sandbox's own deadline is 5 s, everything else is milliseconds
 TIMEOUTS = {"template": 15}
 _DONE = re.compile(r"#(\d+)\s+DONE\s+cov: (\d+) ft: (\d+) corp: (\d+)/")

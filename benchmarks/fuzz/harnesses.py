@@ -15,6 +15,7 @@ project's own writers. ``benchmarks/fuzz_campaign.py`` runs them; ``run_one.py``
 | template | the tokenizer bundle's chat template in the sandbox (bounded time and output) | ``ChatTemplateError`` |
 | pipeline | §12 pipeline containers: components, recipe, component and scheduler configs | ``CmfError`` |
 | http | the OpenAI request validators (chat, completions, tokenize, tools, response_format) | ``RequestError`` |
+| shards, gguf_import, skill_add | shard sets, ``import-gguf`` with dequantization, ``skill add`` (harnesses_files.py) | ``CmfError`` |
 """
 
 from __future__ import annotations
@@ -372,3 +373,7 @@ HARNESSES: dict[str, tuple[Callable[[Path], list[bytes]], Callable[[bytes], None
     "http": (http_seeds, http_one),
     "pipeline": (pipeline_seeds, pipeline_one),
 }
+
+from harnesses_files import FILE_HARNESSES  # noqa: E402 - its harnesses use this module's scratch folder
+
+HARNESSES.update(FILE_HARNESSES)

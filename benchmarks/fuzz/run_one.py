@@ -45,10 +45,14 @@ def main() -> None:
     logging.disable(logging.WARNING)  # the surfaces' warnings (a forced skill apply) would flood stderr
     # The template harness also instruments jinja2: its lexer, parser and compiler are where a
     # hostile template's bytes go, and our sandbox alone gives the fuzzer too few edges to follow.
-    include = ["cmf", "jinja2"] if name == "template" else ["cmf"]
+    # Likewise the gguf package for the importer: its reader parses what the scan let through.
+    include = ["cmf"] + {"template": ["jinja2"], "gguf_import": ["gguf"]}.get(name, [])
     with atheris.instrument_imports(include=include, exclude=jitted_modules()):
         import cmf  # noqa: F401
         import cmf.convert.gguf_scan  # noqa: F401
+        if name == "gguf_import":
+            import gguf  # noqa: F401
+            import cmf.convert.gguf, cmf.convert.hf  # noqa: F401, E401
         import cmf.runtime.chat  # noqa: F401
         if name == "template":
             import jinja2.compiler, jinja2.lexer, jinja2.parser, jinja2.sandbox  # noqa: F401, E401
@@ -58,6 +62,8 @@ def main() -> None:
         import cmf.server.structured  # noqa: F401
         import cmf.server.tools_calls  # noqa: F401
         import cmf.tools._skill_file  # noqa: F401
+        import cmf.tools._skill_graft  # noqa: F401
+        import cmf.tools.verify  # noqa: F401
         import cmf.image.components  # noqa: F401
         import cmf.image.loader  # noqa: F401
         import cmf.quant  # noqa: F401

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import os
 import re
 import shutil
@@ -111,40 +113,64 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
             raise GgufError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    hidden = int(get("embedding_length", required=True))
-    heads = int(get("attention.head_count", required=True))
+    def num(key: str, kind: type, default: Any = None, required: bool = False, low: int | None = None) -> Any:
+        """A numeric field as ``kind``; a string, list or non-integral value is a GgufError (found by
+        fuzzing: ``int('x')`` and a zero head count escaped as ValueError/ZeroDivisionError)."""
+        v = get(key, default, required)
+        if v is None:
+            return None
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        if ok and kind is int:
+            ok = float(v).is_integer()
+        if not ok or (low is not None and v < low):
+            need = "an integer" if kind is int else "a finite number"
+            raise GgufError(f"GGUF metadata {arch}.{key} = {v!r} is not {need}"
+                            + (f" >= {low}" if low is not None else ""))
+        return kind(v)
+
+    hidden = num("embedding_length", int, required=True, low=1)
+    heads = num("attention.head_count", int, required=True, low=1)
     cfg: dict[str, Any] = {
         "model_type": ARCH_TO_MODEL_TYPE[arch], "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count", required=True)), "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)), "vocab_size": vocab,
+        "num_hidden_layers": num("block_count", int, required=True), "num_attention_heads": heads,
+        "num_key_value_heads": num("attention.head_count_kv", int, heads, low=1),
+        "head_dim": num("attention.key_length", int, hidden // heads),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": num("rope.freq_base", float, 10000.0),
+        "max_position_embeddings": num("context_length", int, 4096), "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensor_names, "hidden_act": "silu",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _token_id(meta, "bos"), "eos_token_id": _token_id(meta, "eos"),
     }
-    ff = get("feed_forward_length")
+    ff = num("feed_forward_length", int)
     if ff is not None:
-        cfg["intermediate_size"] = int(ff)
+        cfg["intermediate_size"] = ff
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
-        rs = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        rs = {"rope_type": scaling, "factor": num("rope.scaling.factor", float, 1.0)}
         if get("rope.scaling.original_context_length"):
-            rs["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+            rs["original_max_position_embeddings"] = num("rope.scaling.original_context_length", int)
         cfg["rope_scaling"] = rs
     if arch in ("qwen2moe", "qwen3moe"):
-        cfg.update(num_experts=int(get("expert_count", required=True)),
-                   num_experts_per_tok=int(get("expert_used_count", required=True)),
-                   moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+        cfg.update(num_experts=num("expert_count", int, required=True),
+                   num_experts_per_tok=num("expert_used_count", int, required=True),
+                   moe_intermediate_size=num("expert_feed_forward_length", int, required=True),
                    decoder_sparse_step=1, mlp_only_layers=[])
         cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
         cfg["norm_topk_prob"] = bool(get("expert_weights_norm", arch == "qwen3moe"))
         if arch == "qwen2moe":
-            cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+            cfg["shared_expert_intermediate_size"] = num("expert_shared_feed_forward_length", int, 0)
     return cfg
+
+
+def _token_id(meta: dict[str, Any], which: str) -> int | None:
+    """``tokenizer.ggml.{which}_token_id`` when it is a non-negative integer, else None (logged)."""
+    v = meta.get(f"tokenizer.ggml.{which}_token_id")
+    if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+        return v
+    log.warning("GGUF metadata tokenizer.ggml.%s_token_id = %r is not a token id; ignored", which, v)
+    return None
 
 
 def _plan_tensors(reader, cfg: dict[str, Any], arch: str) -> list[tuple[str, Any, Callable[[np.ndarray], np.ndarray],
@@ -166,10 +192,16 @@ def _plan_tensors(reader, cfg: dict[str, Any], arch: str) -> list[tuple[str, Any
         if name is None:
             raise GgufError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart we know")
         fn: Callable[[np.ndarray], np.ndarray] = lambda a: a  # noqa: E731
+        heads = None
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            fn = lambda a: unpermute_qk(a, cfg["num_attention_heads"])  # noqa: E731
+            heads = cfg["num_attention_heads"]
         elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            fn = lambda a: unpermute_qk(a, cfg["num_key_value_heads"])  # noqa: E731
+            heads = cfg["num_key_value_heads"]
+        if heads is not None:
+            if shape[0] % (2 * heads):  # the un-permute splits each head's rows in two halves
+                raise GgufError(f"GGUF tensor {t.name!r}: {shape[0]} rows do not split into {heads} heads "
+                                f"of an even size")
+            fn = lambda a, h=heads: unpermute_qk(a, h)  # noqa: E731
         out.append((name, t, fn, shape))
     return out
 
@@ -240,9 +272,9 @@ def gguf_to_hf(path: str | os.PathLike[str], folder: str | os.PathLike[str], *,
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     (folder / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos = _token_id(meta, "eos")
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    tcfg = {"eos_token": tokens[eos] if eos is not None and eos < len(tokens) else None}
+    tcfg = {"eos_token": tokens[eos] if eos is not None and isinstance(tokens, list) and eos < len(tokens) else None}
     (folder / "tokenizer_config.json").write_text(json.dumps(tcfg))
     gen = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (folder / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))

@@ -8,6 +8,7 @@ that names the field and offset.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,22 @@ class _Cursor:
         raise GgufError(f"{self.path}: {what}: unknown value type {vtype} at offset {self.pos - 4}")
 
 
+@functools.lru_cache(maxsize=None)
+def dequantizable(ttype: int) -> bool:
+    """Whether the installed `gguf` package can dequantize ggml type ``ttype`` (probed on one zero
+    block: its table of implemented types is private and differs between versions)."""
+    import gguf
+    import numpy as np
+
+    qt = gguf.GGMLQuantizationType(ttype)
+    _, size = gguf.GGML_QUANT_SIZES[qt]
+    try:
+        gguf.quants.dequantize(np.zeros((1, size), np.uint8), qt)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def scan(path: str | Path) -> GgufScan:
     """Validate a GGUF file's header, metadata and tensor table against its size."""
     import gguf
@@ -157,6 +174,9 @@ def _scan(buf: memoryview, where: str, gguf) -> GgufScan:
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
         except (ValueError, KeyError):
             raise GgufError(f"{where}: tensor {name!r} has unknown ggml type {ttype}") from None
+        if not dequantizable(ttype):  # found by fuzzing: the import failed on it with NotImplementedError
+            raise GgufError(f"{where}: tensor {name!r} has ggml type {gguf.GGMLQuantizationType(ttype).name}, "
+                            f"which cannot be dequantized (the gguf package implements no decoder for it)")
         n = 1
         for d in dims:
             n *= d

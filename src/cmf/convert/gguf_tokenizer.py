@@ -23,17 +23,43 @@ PRE_KEY = "gguf_pre"  # where a synthesized tokenizer.json keeps the GGUF's toke
 
 def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     """Synthesize tokenizer.json from ``tokenizer.ggml.*`` metadata (byte-level BPE only)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise GgufError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
                         f"pass a tokenizer.json with --tokenizer")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    merges: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    tokens: list[str] = _list_of(meta, "tokens", str, [])
+    merges: list[str] = _list_of(meta, "merges", str, [])
+    types: list[int] = _list_of(meta, "token_type", int, [TOKEN_NORMAL] * len(tokens))
     if not tokens or len(types) != len(tokens):
         raise GgufError("GGUF vocabulary is empty or its token_type list has the wrong length")
+    try:
+        return _synthesize(meta, tokens, merges, types)
+    except GgufError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see below
+        # Found by fuzzing: the tokenizers library refuses a vocabulary it cannot build (a merge of
+        # tokens absent after duplicates collapse, a special token with a space) with a bare
+        # Exception or ValueError, and a Rust panic arrives as pyo3's PanicException, a BaseException.
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)):
+            raise
+        raise GgufError(f"GGUF vocabulary cannot be built into a tokenizer: {str(exc)[:200] or type(exc).__name__}"
+                        ) from None
+
+
+def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
+    """``tokenizer.ggml.{key}`` as a list whose items are all ``kind`` (GgufError otherwise)."""
+    v = meta.get(f"tokenizer.ggml.{key}")
+    if v is None:
+        return default
+    if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+        raise GgufError(f"GGUF metadata tokenizer.ggml.{key} is not a list of {kind.__name__}s")
+    return v
+
+
+def _synthesize(meta: dict[str, Any], tokens: list[str], merges: list[str], types: list[int]) -> str:
+    """The tokenizer.json of checked token, merge and type lists (the library may still refuse them)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = []
     for m in merges:
@@ -53,6 +79,8 @@ def tokenizer_json_from_gguf(meta: dict[str, Any]) -> str:
     if specials:
         tok.add_tokens(specials)
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    if not isinstance(bos, int) or isinstance(bos, bool):
+        bos = None  # absent, or not a token id: no BOS template
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None and 0 <= bos < len(tokens):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])

@@ -168,6 +168,8 @@ def _graft(base: CmfFile, donor: CmfFile, skill_id: str, layers: set[int], famil
         if progress:
             progress(t.name)
         arr = donor.array(t.name)
+        if not np.isfinite(arr).all():  # a broken fine-tune; no codec below f32 could store it either
+            raise SkillError(f"donor tensor {t.name} holds NaN or infinity; no skill is written from it")
         # "Differs" is judged in the base's own encoding: a donor tensor that the base's dtype
         # stores as the same bytes is the same tensor, whatever the skill's dtype will be.
         as_base = _encode(arr, t.dtype.label, {})
