@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -80,8 +81,40 @@ def test_writer_sharded_disk_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(IoError):
         write_sample(out, max_shard_bytes=8192)
     monkeypatch.undo()
-    # the shards renamed before the fault are complete files; no temp file is left
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert list(tmp_path.iterdir()) == []  # no shard is renamed before all are written; no temp file
+
+
+def _bytes_written(monkeypatch: pytest.MonkeyPatch, folder: Path, run) -> int:
+    """What ``run()`` writes into ``folder`` (an unlimited budget counts it), then undone."""
+    faults = Faults(monkeypatch, folder, budget=1 << 40)
+    run()
+    monkeypatch.undo()
+    return faults.written
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 0.8, 0.95, 0.999])
+def test_sharded_set_replacement_disk_full_keeps_the_old_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             fraction: float) -> None:
+    """A set written over an existing set of the same name: ENOSPC anywhere, in the spools or in
+    any shard's file, leaves every old shard as it was (was: shards 1..k-1 already replaced)."""
+    out = tmp_path / "s.cmf"
+    old = write_sample(out, max_shard_bytes=8192)
+    assert len(old) > 3
+    before = snapshot(tmp_path)
+    newer = header(provenance={"tool": "the replacement"})
+    scratch = tmp_path / "count"
+    scratch.mkdir()
+    total = _bytes_written(monkeypatch, scratch, lambda: write_sample(scratch / "s.cmf", max_shard_bytes=8192,
+                                                                      hdr=newer))
+    shutil.rmtree(scratch)
+    faults = Faults(monkeypatch, tmp_path, budget=int(total * fraction))
+    with pytest.raises(IoError, match="no space left on the device") as ei:
+        write_sample(out, max_shard_bytes=8192, hdr=newer)
+    assert ei.value.errno == errno.ENOSPC and faults.hits
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before
+    with cmf.open(old[0]) as f:
+        assert f.verify() == [] and f.header.provenance["tool"] == "pycmf-tests" and len(f.paths) == len(old)
 
 
 def test_read_only_folder_fails_before_work(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,6 +258,57 @@ def test_requant_disk_full(tmp_path: Path, hf_model: Path, monkeypatch: pytest.M
         requant(src, dst, quant="q8")
     monkeypatch.undo()
     assert_intact(tmp_path, before, dst)
+    assert_intact(tmp_path, before, src)
+
+
+def _requant_total(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, src: Path) -> int:
+    from cmf.tools.requant import requant
+
+    scratch = tmp_path / "count"
+    scratch.mkdir()
+    shutil.copy(src, scratch / src.name)
+    total = _bytes_written(monkeypatch, scratch, lambda: requant(scratch / src.name, quant="q8", in_place=True))
+    shutil.rmtree(scratch)
+    return total
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.8, 0.99])
+def test_requant_in_place_eio_midway_keeps_the_old_file(tmp_path: Path, hf_model: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
+    """EIO at any byte of ``requant --in-place`` (the spool of new payloads, the copy of the file,
+    the patched slots, directory and envelope): the old file as it was, no temp file, a typed
+    error (was: slots already overwritten, a file with hash mismatches)."""
+    from cmf.convert import convert
+    from cmf.tools.requant import requant
+
+    src = tmp_path / "src.cmf"
+    convert(hf_model, src, quant="f16")
+    total = _requant_total(monkeypatch, tmp_path, src)
+    before = snapshot(tmp_path)
+    faults = Faults(monkeypatch, tmp_path, budget=int(total * fraction), err=errno.EIO)
+    with pytest.raises(IoError, match="while recoding in place; the file is unchanged and no temporary file") as ei:
+        requant(src, quant="q8", in_place=True)
+    assert ei.value.errno == errno.EIO and faults.hits
+    monkeypatch.undo()
+    assert_intact(tmp_path, before, src)
+    requant(src, quant="q8", in_place=True)  # and it works once the device does
+    with cmf.open(src) as f:
+        assert f.verify() == [] and any(t.dtype.label == "q8_row" for t in f.tensors())
+
+
+def test_requant_in_place_eio_on_fsync_keeps_the_old_file(tmp_path: Path, hf_model: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from cmf.convert import convert
+    from cmf.tools.requant import requant
+
+    src = tmp_path / "src.cmf"
+    convert(hf_model, src, quant="f16")
+    before = snapshot(tmp_path)
+    Faults(monkeypatch, tmp_path, fsync=True)
+    with pytest.raises(IoError, match="the file is unchanged") as ei:
+        requant(src, quant="q8", in_place=True)
+    assert ei.value.errno == errno.EIO
+    monkeypatch.undo()
     assert_intact(tmp_path, before, src)
 
 

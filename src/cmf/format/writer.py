@@ -233,9 +233,9 @@ class _Spool:
         self.path.unlink(missing_ok=True)
 
 
-def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | None,
-                      tail: Iterable[bytes]) -> None:
-    """Write head, zero pad to data_off, the spool's data, then ``tail`` under a temp name; rename."""
+def write_temp(target: Path, head: bytes, data_off: int, spool: _Spool | None, tail: Iterable[bytes]) -> Path:
+    """Write head, zero pad to data_off, the spool's data, then ``tail`` into a synced temp file
+    beside ``target``; returns its path (removed again on any error)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     tmp_path = Path(tmp)
     try:
@@ -250,11 +250,22 @@ def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | 
         os.fsync(fd)
         os.close(fd)
         fd = -1
-        os.replace(tmp_path, target)
-        fsync_dir(target.parent)
     except BaseException:
         if fd >= 0:
             os.close(fd)
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return tmp_path
+
+
+def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | None,
+                      tail: Iterable[bytes]) -> None:
+    """Write head, zero pad to data_off, the spool's data, then ``tail`` under a temp name; rename."""
+    tmp_path = write_temp(target, head, data_off, spool, tail)
+    try:
+        os.replace(tmp_path, target)
+        fsync_dir(target.parent)
+    except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
 
@@ -455,16 +466,35 @@ class CmfWriter:
         stem = self.path.name[:-4] if self.path.name.endswith(".cmf") else self.path.name
         count = len(spools)
         targets = [self.path.with_name(shard_name(stem, no, count)) for no in range(1, count + 1)]
-        for no, (spool, target) in enumerate(zip(spools, targets), start=1):
-            header = dict(self.header)
-            header["shard"] = {"no": no, "count": count}
-            secs = sections if no == 1 else {}
-            if no > 1:
-                header["tokenizer_config"] = None
-                header.pop("skills", None)
-            head, data_off, _ = build_head(header, spool.entries, spool.size, secs)
-            tail = [secs[k] for k in ("masks", "vocab", "index") if secs.get(k)]
-            write_file_atomic(target, head, data_off, spool, tail)
+        # Every shard is written and synced under a temp name before any is renamed: a disk that
+        # fills (or an EIO) on shard k must not leave new shards 1..k-1 beside the old set's others,
+        # a set that opens but mixes two models. The cost: the whole new set exists beside the old
+        # one until the renames (renames need no data blocks, so they do not hit ENOSPC).
+        temps: list[Path] = []
+        try:
+            for no, (spool, target) in enumerate(zip(spools, targets), start=1):
+                header = dict(self.header)
+                header["shard"] = {"no": no, "count": count}
+                secs = sections if no == 1 else {}
+                if no > 1:
+                    header["tokenizer_config"] = None
+                    header.pop("skills", None)
+                head, data_off, _ = build_head(header, spool.entries, spool.size, secs)
+                tail = [secs[k] for k in ("masks", "vocab", "index") if secs.get(k)]
+                temps.append(write_temp(target, head, data_off, spool, tail))
+                spool.discard()  # its bytes are in the temp shard now: give the space back early
+        except BaseException:
+            for t in temps:
+                t.unlink(missing_ok=True)
+            raise
+        for i, (tmp, target) in enumerate(zip(temps, targets)):
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                for t in temps[i:]:
+                    t.unlink(missing_ok=True)
+                raise
+        fsync_dir(self.path.parent)
         return targets
 
     def abort(self) -> None:

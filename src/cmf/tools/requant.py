@@ -16,16 +16,18 @@ Two ways to write:
 
 - ``-o OUT``: a fresh file through :class:`~cmf.format.writer.CmfWriter` (streaming: one
   tensor in memory at a time; temp file + fsync + atomic rename). A shard set becomes one file.
-- ``--in-place``: the reference's recode-in-place (``recode_entries_in_place``). All new
-  payloads are encoded first into a spool file beside the model and checked against their
-  old slots; if any is larger than its slot nothing is modified and the command explains which
-  tensors do not fit. Otherwise each payload overwrites its slot (the rest of the slot is
-  zeroed), then the directory is rewritten in place with the new dtype, nbytes and hash
+- ``--in-place``: the reference's recode-in-place (``recode_entries_in_place``): same layout,
+  same path. All new payloads are encoded first into a spool file beside the model and checked
+  against their old slots; if any is larger than its slot nothing is modified and the command
+  explains which tensors do not fit. Otherwise each payload overwrites its slot (the rest of
+  the slot is zeroed), then the directory is rewritten with the new dtype, nbytes and hash
   (same size: names and shapes do not change), and last the envelope's directory hash (and
   the QUANT_2F feature bit) — the header, and so ``quant_type``, stay as they were, like the
-  reference. Between the first payload write and the envelope write the file is not
-  consistent: an interrupted run leaves hash mismatches that ``cmf verify`` reports, never a
-  file that silently decodes wrong values. Keep a copy, or use ``-o``, when that matters.
+  reference. The slots are patched in a copy of the file made beside it (``copy_file_range``:
+  a reflink or an in-kernel copy), which is synced and renamed over the file: a disk that
+  fills, an EIO or a kill at any point leaves the old file as it was and no temporary file
+  (issue 28). It needs free space for one copy of the file (none on a reflinking filesystem);
+  a server that has the file mapped keeps serving the old version, as for any rename.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
     ``--in-place`` payloads do not fit, HashMismatch for a corrupt
     source, ShardError for an in-place shard set, CalibrationError for an unusable text.
     """
-    from ..format.errors import WriterError
+    from ..format.errors import CmfError, WriterError
+    from ..format.writer import io_error
 
     if in_place == (dst is not None):
         raise WriterError("give exactly one of an output path (-o) and --in-place")
@@ -147,7 +150,13 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
         cal = _calib.collect(src, check_text(calib), max_tokens=calib_tokens or _calib.DEFAULT_MAX_TOKENS,
                              progress=calib_progress)
     if in_place:
-        return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
+        try:
+            return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
+        except OSError as exc:
+            if isinstance(exc, CmfError):
+                raise
+            raise io_error(exc, f"{src}: {{reason}} while recoding in place; the file is unchanged and no "
+                                f"temporary file is left") from None
     return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget, budget_cache)
 
 
@@ -302,24 +311,37 @@ def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress, cal
 
 def _commit(path: Path, spool_fd: int, patches, directory: bytes, dir_off: int, features: int, sections,
             header_hash: int, version: int, flags: int) -> None:
-    """Payloads into their slots, then the directory, then the envelope (each step fsynced)."""
+    """A copy of ``path`` with the payloads in their slots, the directory and the envelope
+    patched, synced and renamed over it (the old file is untouched until the rename)."""
     from ..format.envelope import Envelope
     from ..format.hash64 import hash64
+    from ..format.writer import apply_output_mode, copy_range
 
-    out = os.open(path, os.O_RDWR)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
     try:
+        src = os.open(path, os.O_RDONLY)
+        try:
+            copy_range(src, fd, os.fstat(src).st_size)
+        finally:
+            os.close(src)
         for _rec, _dt, slot, old_n, at, new_n, _h in patches:
             data = os.pread(spool_fd, new_n, at)
-            _pwrite_all(out, data + bytes(old_n - new_n), slot)
-        os.fsync(out)
-        _pwrite_all(out, directory, dir_off)
-        os.fsync(out)
+            _pwrite_all(fd, data + bytes(old_n - new_n), slot)
+        _pwrite_all(fd, directory, dir_off)
         env = Envelope(features=features, sections=dict(sections), header_hash=header_hash,
                        dir_hash=hash64(directory), version=version, flags=flags)
-        _pwrite_all(out, env.pack(), 0)  # the commit point
-        os.fsync(out)
-    finally:
-        os.close(out)
+        _pwrite_all(fd, env.pack(), 0)
+        apply_output_mode(fd, path)  # mkstemp made it 0600; the file keeps its mode
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)  # the commit point
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
