@@ -3,7 +3,8 @@ whole-tensor decoders) and ``cmf.kernels`` (the fused products) use, and the run
 shared pieces (thread chunking, scratch buffers). It imports nothing from cmf, so neither
 package has to reach into the other's private modules (tests/test_layering.py).
 
-- **CPU features**: :func:`host_has` (what numba compiles for) and ``HW_F16``.
+- **CPU features**: :func:`target_has` — the features of the CPU numba compiles for, which
+  follows ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` as numba does — and ``HW_F16``.
 - **f16 → f32 in registers**: LLVM's ``half`` type (one ``vcvtph2ps`` per 16 values on F16C
   CPUs, ``fcvt`` on ARM) or exact bit manipulation elsewhere (:func:`f16_soft`); both agree with
   numpy's ``astype(float32)`` on all 65536 patterns (tested).
@@ -28,18 +29,51 @@ _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()
 
 
-def host_has(*features: str) -> bool:
-    """Whether the CPU numba compiles for has every LLVM feature named (``"f16c"``, ``"avx512vnni"``)."""
+# LLVM's default feature set for a CPU name, as far as the kernels ask (numba is given an empty
+# feature string when NUMBA_CPU_FEATURES is set but empty: LLVM then uses the name's defaults).
+# Names not listed count as having none of these: the portable paths, correct on any CPU.
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+_VNNI512 = _AVX512 | {"avx512vnni"}
+_CPU_NAMES: dict[str, frozenset] = {
+    **dict.fromkeys(("haswell", "broadwell", "skylake", "x86-64-v3", "znver1", "znver2", "znver3", "bdver4"), _AVX2),
+    **dict.fromkeys(("alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s", "gracemont",
+                     "sierraforest", "grandridge", "lunarlake", "pantherlake"), _AVX2 | {"avxvnni"}),
+    **dict.fromkeys(("skylake-avx512", "x86-64-v4", "cannonlake"), _AVX512),
+    **dict.fromkeys(("cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+                     "znver4"), _VNNI512),
+    **dict.fromkeys(("sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver5"),
+                    _VNNI512 | {"avxvnni"}),
+}
+
+
+def target_cpu() -> tuple[str, frozenset]:
+    """(name, enabled LLVM features) of the CPU numba's JIT compiles for.
+
+    numba's rule (``numba.core.codegen.JITCPUCodegen``): the name is ``NUMBA_CPU_NAME`` or the
+    host's, the features ``NUMBA_CPU_FEATURES`` or — even when a name is given — the host's. So
+    ``NUMBA_CPU_NAME=haswell`` alone still enables an AVX-512 host's AVX-512; AVX2-only code
+    takes ``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=`` (empty: the name's own features)."""
     try:
         from llvmlite import binding
+        from numba.core import codegen, config
 
-        have = set(binding.get_host_cpu_features().flatten().split(","))
+        name = config.CPU_NAME or binding.get_host_cpu_name()
+        flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
     except Exception:  # pragma: no cover - exotic llvmlite builds
-        return False
-    return all(f"+{f}" in have for f in features)
+        return "", frozenset()
+    if not flat:
+        return name, _CPU_NAMES.get(name, frozenset())
+    return name, frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
 
 
-HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or host_has("f16c")
+def target_has(*features: str) -> bool:
+    """Whether the CPU numba compiles for has every LLVM feature named (``"f16c"``, ``"avx2"``)."""
+    have = target_cpu()[1]
+    return all(f in have for f in features)
+
+
+HW_F16 = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 
 
 @intrinsic

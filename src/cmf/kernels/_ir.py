@@ -26,7 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..numba_prims import host_has
+from . import int_dot
 from ..numba_prims import ir_pointers as _pointers
 from ..numba_prims import ir_splat as _splat
 from ..numba_prims import ir_vec_load as _vec_load
@@ -247,30 +247,14 @@ def q1t_dot(typingctx, data, base, gpr, x):  # noqa: ANN001
     return sig, codegen
 
 
-# vpdpbusd (u8 × s8, four products summed into each i32 lane) where the CPU has it; elsewhere the
-# same integer sums through widening multiplies, so both give identical results.
-# CMF_NO_VNNI=1 forces the portable form (tests check it against the same oracle).
-HW_VNNI = host_has("avx512vnni", "avx512bw") and not os.environ.get("CMF_NO_VNNI")
+# The u8 × s8 sums: vpdpbusd where the CPU has AVX-512 VNNI (or AVX-VNNI), vpmaddubsw + vpmaddwd
+# on AVX2, generic IR elsewhere — the same integer sums on every path (kernels/int_dot.py).
+DOT_PATH = int_dot.DOT_PATH
+HW_VNNI = DOT_PATH in ("vnni512", "avxvnni")
+INT_DOT = DOT_PATH != "portable"  # a hardware integer dot: the integer kernels beat the float ones
 
 
-def _dot4_u8s8(builder, acc, a, b):  # noqa: ANN001, ANN202
-    """acc[l] + Σ_k u8(a.byte[4l+k])·s8(b.byte[4l+k]) over <16 x i32> vectors."""
-    v16 = ir.VectorType(_I32, 16)
-    if HW_VNNI:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
-                                            "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(fn, [acc, a, b])
-    v64b, v64 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 64)
-    prod = builder.mul(builder.zext(builder.bitcast(a, v64b), v64), builder.sext(builder.bitcast(b, v64b), v64))
-    undef = ir.Constant(v64, ir.Undefined)
-    for n in (32, 16):  # add lanes pairwise twice: lane l sums products 4l..4l+3
-        even = builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(_I32, n), list(range(0, 2 * n, 2))))
-        odd = builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(_I32, n), list(range(1, 2 * n, 2))))
-        prod, undef = builder.add(even, odd), ir.Constant(ir.VectorType(_I32, n), ir.Undefined)
-    return builder.add(acc, prod)
-
-
-def _make_tile_dot_i8(width: int, pieces: int = 1):  # noqa: ANN202 - returns a numba intrinsic
+def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # noqa: ANN202 - an intrinsic
     """Integer sums of one 64-row tile-group of the 4-bit family against int8 activations.
 
     The tile-group starts at ``planes[base]`` in the word-interleaved layout: for each word w
@@ -295,21 +279,20 @@ def _make_tile_dot_i8(width: int, pieces: int = 1):  # noqa: ANN202 - returns a 
             pp, xp, sp = _pointers(context, builder, signature, args, 0, 2, 4)
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
-            acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
-            for w in range(width // 4):
-                xs = [[None] * phases for _ in range(pieces)]
-                for j in range(pieces):
-                    for p in range(phases):
-                        off = builder.add(args[3], ir.Constant(_I64, words * j + w * phases + p))
-                        xs[j][p] = _splat(builder, builder.load(cgutils.gep(builder, xp, off)), v16)
-                for c in range(4):  # rows 16c .. 16c + 15
+            xs = [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
+                _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
+                for j in range(pieces)]
+            acc = [[None] * 4 for _ in range(pieces)]
+            for c in range(4):  # rows 16c .. 16c + 15
+                codes = []  # the 8 (word, phase) code vectors of the group, in xs's order
+                for w in range(width // 4):
                     at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
                     word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
                     for p in range(phases):
                         part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
-                        codes = builder.and_(part, msk)
-                        for j in range(pieces):
-                            acc[j][c] = _dot4_u8s8(builder, acc[j][c], codes, xs[j][p])
+                        codes.append(builder.and_(part, msk))
+                for j in range(pieces):
+                    acc[j][c] = int_dot.group_dot(builder, list(zip(codes, xs[j])), path)
             for c in range(4):
                 total = acc[0][c]
                 for j in range(1, pieces):  # S_0·2^14 + S_1·2^7 + S_2: < 2^30 for 4-bit codes

@@ -25,7 +25,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..numba_prims import HW_F16, bits_as_f32, chunk, f16_hw, f16_soft, f16_to_f32, host_has, scratch  # noqa: F401
+from ..numba_prims import HW_F16, bits_as_f32, chunk, f16_hw, f16_soft, f16_to_f32, scratch, target_has  # noqa: F401
 
 # reassoc lets LLVM vectorize float reductions; no nnan/ninf, so crafted inf/NaN weights give
 # inf/NaN results instead of undefined behaviour.

@@ -35,7 +35,7 @@ import numpy as np
 from numba import prange
 
 from ..format.constants import GROUP
-from ._ir import HW_VNNI, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
+from ._ir import INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, field32, group_scales, hi_nibble,
                    lo_nibble, prefetch_at, put_word, word_at)
 from .xprep import fill_x, quantize_x
@@ -56,9 +56,10 @@ F16_SCALES = (True, False, False, True)
 # 4 KB ahead gave 1.01–1.10×).
 PREFETCH_AHEAD = 16384
 FINE = np.float32(1 / 128 ** 2)  # unit of the three pieces' combined integer sum
-# Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has VNNI
-# (the portable u8 x s8 dot is slower than the float kernels); elsewhere x stays float32.
-EXACT_PIECES = 3 if HW_VNNI else 0
+# Exact mode runs the integer kernels on x split into three int8 pieces where the CPU has a
+# hardware u8 x s8 dot (AVX-512 VNNI, AVX-VNNI, AVX2: kernels/int_dot.py; the portable form is
+# slower than the float kernels); elsewhere x stays float32.
+EXACT_PIECES = 3 if INT_DOT else 0
 
 
 @numba.njit(**SERIAL)

@@ -1,0 +1,171 @@
+"""The integer dot paths of the 4-bit tile kernels (kernels/int_dot.py) agree bit for bit.
+
+Every path this CPU can run (AVX-512 VNNI, AVX-VNNI, AVX2, portable) is compiled in this process
+and its tile-group sums compared with a numpy oracle, extreme codes and activations included;
+the paths it cannot run are compiled for a CPU that has them (no execution) and their assembly
+checked. The feature detection follows the CPU numba compiles for (NUMBA_CPU_NAME /
+NUMBA_CPU_FEATURES), checked in fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+from cmf.kernels import _ir, int_dot
+
+RUNNABLE = [p for p in int_dot.PATHS if int_dot.path_supported(p)]
+_KERNELS: dict = {}
+
+
+def _kernel(width: int, pieces: int, path: str):  # noqa: ANN202 - a compiled function
+    key = (width, pieces, path)
+    if key not in _KERNELS:
+        dot = _ir._make_tile_dot_i8(width, pieces, path)
+
+        @numba.njit
+        def run(planes, xv, S):  # pragma: no cover - compiled
+            dot(planes, 0, xv, 0, S)
+
+        _KERNELS[key] = run
+    return _KERNELS[key]
+
+
+def _oracle(planes: np.ndarray, x8: np.ndarray, width: int, pieces: int) -> np.ndarray:
+    """S[r] for one tile-group: planes [words, 64 rows, 4 bytes], x8 [pieces, words, phases, 4]."""
+    phases = 2 if width == 16 else 4
+    bits = 8 // phases
+    codes = np.stack([(planes >> (bits * p)) & ((1 << bits) - 1) for p in range(phases)], 1)  # [w, p, r, k]
+    sums = np.einsum("wprk,jwpk->jr", codes.astype(np.int64), x8.astype(np.int64))
+    total = sums[0]
+    for j in range(1, pieces):
+        total = total * 128 + sums[j]
+    return total
+
+
+def _case(rng: np.random.Generator, width: int, pieces: int, extreme: bool) -> tuple[np.ndarray, np.ndarray]:
+    words, phases = width // 4, 2 if width == 16 else 4
+    if extreme:  # every code at its largest, every activation at the int8 extremes
+        planes = np.full((words, 64, 4), 255, np.uint8)
+        x8 = np.where(rng.random((pieces, words, phases, 4)) < 0.5, -128, 127).astype(np.int8)
+    else:
+        planes = rng.integers(0, 256, (words, 64, 4), dtype=np.uint8)
+        x8 = rng.integers(-128, 128, (pieces, words, phases, 4)).astype(np.int8)
+    return planes, x8
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+@pytest.mark.parametrize("width,pieces", [(16, 1), (16, 3), (8, 1), (8, 3)])
+def test_every_runnable_path_gives_the_oracles_sums(path: str, width: int, pieces: int) -> None:
+    rng = np.random.default_rng(width * 10 + pieces)
+    run = _kernel(width, pieces, path)
+    for trial in range(6):
+        planes, x8 = _case(rng, width, pieces, extreme=trial < 2)
+        if pieces == 3 and trial < 2:  # exact mode's pieces 1 and 2 stay within ±64
+            x8[1:] = np.clip(x8[1:], -64, 64)
+        S = np.zeros(64, np.int32)
+        run(planes.reshape(-1), x8.reshape(-1).view(np.int32), S)
+        want = _oracle(planes, x8, width, pieces)
+        assert np.array_equal(S.astype(np.int64), want), (path, trial)
+
+
+def test_the_chosen_path_is_the_fastest_the_target_has() -> None:
+    assert int_dot.DOT_PATH == RUNNABLE[0] == _ir.DOT_PATH
+    from cmf.kernels import q4
+    assert q4.EXACT_PIECES == (3 if int_dot.DOT_PATH != "portable" else 0)
+
+
+def _probe(env: dict, code: str) -> str:
+    full = dict(os.environ, **env)
+    for k in ("CMF_DOT_PATH", "CMF_NO_VNNI"):
+        if k not in env:
+            full.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("cpu,want", [("haswell", "avx2"), ("alderlake", "avxvnni"), ("icelake-server", "vnni512"),
+                                      ("generic", "portable")])
+def test_detection_follows_the_cpu_numba_compiles_for(cpu: str, want: str, tmp_path) -> None:
+    """A CPU name with empty features is that CPU's own feature set (numba pairs a bare name
+    with the host's features, so the detection follows the host then)."""
+    env = {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+    got = _probe(env, "from cmf.kernels import _ir, q4; print(_ir.DOT_PATH, q4.EXACT_PIECES)")
+    assert got == f"{want} {3 if want != 'portable' else 0}"
+    forced = _probe(dict(env, CMF_DOT_PATH="portable"), "from cmf.kernels import _ir; print(_ir.DOT_PATH)")
+    assert forced == "portable"
+
+
+def test_a_forced_path_the_target_lacks_falls_back(tmp_path) -> None:
+    env = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path),
+           "CMF_DOT_PATH": "vnni512"}
+    assert _probe(env, "from cmf.kernels import _ir; print(_ir.DOT_PATH)") == "avx2"
+
+
+ASM = """
+import numba, numpy as np
+from numba import types
+from cmf.kernels import _ir
+dot = _ir._make_tile_dot_i8(16, 3)
+u8, i32 = types.Array(types.uint8, 1, "C"), types.Array(types.int32, 1, "C")
+@numba.njit((u8, i32, i32))
+def run(planes, xv, S):
+    dot(planes, 0, xv, 0, S)
+asm = "\\n".join(run.inspect_asm().values())
+print(_ir.DOT_PATH, "vpdpbusd" in asm, "vpmaddubsw" in asm, "zmm" in asm)
+"""
+
+
+@pytest.mark.parametrize("cpu,want", [("icelake-server", "vnni512 True False True"),
+                                      ("alderlake", "avxvnni True False False"),
+                                      ("haswell", "avx2 False True False")])
+def test_each_x86_path_compiles_to_its_instructions(cpu: str, want: str, tmp_path) -> None:
+    """Compiled (not run) for a CPU of each kind: the paths this host cannot execute still
+    lower to the intended instructions."""
+    env = {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+    assert _probe(env, ASM) == want
+
+
+def test_int8_products_match_the_portable_path_bit_for_bit(tmp_path) -> None:
+    """A whole q4tp / q1t product with int8 activations: this process's path against the
+    portable one in a fresh process (same integer sums, same float epilogue)."""
+    import cmf.quant as q
+    from cmf.format.reader import open as cmf_open
+    from cmf.format.writer import CmfWriter
+    from cmf.kernels import prepare
+
+    from _builders import header
+
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((136, 256)) * 0.05).astype(np.float32)
+    path = tmp_path / "m.cmf"
+    with CmfWriter(path, header()) as wr:
+        for name in ("q4tp", "q1t"):
+            wr.add(name, name, w.shape, q.encode(w, name))
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    f = cmf_open(path)
+    try:
+        here = [prepare(f.tensor(n), int8_activations=True)(x).tolist() for n in ("q4tp", "q1t")]
+    finally:
+        f.close()
+    code = ("import json, sys, numpy as np\n"
+            "from cmf.format.reader import open as o\n"
+            "from cmf.kernels import _ir, prepare\n"
+            "f = o(sys.argv[1]); x = np.array(json.loads(sys.argv[2]), np.float32)\n"
+            "print(json.dumps([_ir.DOT_PATH] + [prepare(f.tensor(n), int8_activations=True)(x).tolist()"
+            " for n in ('q4tp', 'q1t')]))\n")
+    env = dict(os.environ, CMF_DOT_PATH="portable", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    out = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(x.tolist())], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[0] == "portable"
+    for a, b in zip(here, got[1:]):
+        assert np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
