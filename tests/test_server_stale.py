@@ -12,6 +12,8 @@ import http.client
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,15 @@ def call(s: ServerThread, method: str, path: str, body: dict | None = None) -> t
         conn.close()
 
 
+def _cut(path: Path, change: str) -> None:
+    """Truncate ``path`` to half, or append to it (an in-place append's footprint: same inode, new
+    size), from another process, as a writer would: the server's read lease (cmf/server/lease.py)
+    makes it wait until the engine stopped reading the mapping."""
+    code = ("import os, sys; os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)" if change == "truncated"
+            else "import sys; open(sys.argv[1], 'ab').write(bytes(4096))")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+
+
 def serve(path: Path):
     model = cmf.load(path)
     eng = Engine(model, max_queue=4)
@@ -62,11 +73,7 @@ def test_changed_in_place_is_refused_with_503(tmp_path: Path, built: Path, chang
     try:
         with srv as s:
             assert call(s, "POST", "/v1/chat/completions", CHAT)[0] == 200
-            if change == "truncated":
-                os.truncate(path, path.stat().st_size // 2)
-            else:
-                with open(path, "ab") as fh:  # an in-place append's footprint: same inode, new size
-                    fh.write(b"\0" * 4096)
+            _cut(path, change)
             for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "a", "max_tokens": 2}),
                                 ("/v1/tokenize", CHAT), ("/v1/embeddings", {"input": "a"})):
                 status, err = call(s, "POST", route, body)
@@ -100,3 +107,88 @@ def test_replaced_by_rename_keeps_serving_the_loaded_version(tmp_path: Path, bui
     finally:
         eng.close()
         model.close()
+
+
+# ----------------------------------------------------------------------------------- in flight
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stream_lines(port: int, out: list[bytes], started) -> None:  # noqa: ANN001
+    body = {"prompt": "a", "max_tokens": 4000, "stream": True, "temperature": 1.0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        if line.strip():
+            out.append(line.strip())
+            started.set()
+    conn.close()
+
+
+@pytest.mark.parametrize("change", ["truncated", "modified"])
+def test_cut_while_a_request_generates_does_not_kill_the_server(tmp_path: Path, built: Path, change: str) -> None:
+    """Another process truncates (or opens for writing) the file while a stream is generating:
+    the server's read lease makes it wait for the engine's step, the stream ends with the 503
+    error object, and the server lives on, refusing model requests (was: SIGBUS, exit -7)."""
+    import threading
+    import time
+
+    path = tmp_path / "m.cmf"
+    shutil.copy(built, path)
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "cmf", "serve", str(path), "--port", str(port)],
+                            stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.1)
+        lines: list[bytes] = []
+        started = threading.Event()
+        reader = threading.Thread(target=_stream_lines, args=(port, lines, started), daemon=True)
+        reader.start()
+        assert started.wait(30)
+        time.sleep(0.3)  # well into the generation
+        _cut(path, change)
+        reader.join(60)
+        assert not reader.is_alive()
+        time.sleep(0.2)
+        assert proc.poll() is None, f"the server died (exit {proc.returncode})"
+        last = json.loads(lines[-1][len(b"data: "):])
+        assert last["error"]["code"] == "model_file_changed", lines[-3:]
+        status, health = _get(port, "/health")
+        assert status == 503 and health["file"] == change
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "a", "max_tokens": 2}).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 503 and json.loads(r.read())["error"]["code"] == "model_file_changed"
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _get(port: int, route: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", route)
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())

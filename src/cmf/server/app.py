@@ -30,6 +30,7 @@ from . import embeddings as emb
 from . import schemas as S
 from .engine import Engine
 from .filewatch import FileWatch
+from .lease import LeaseGuard
 from .structured import Grammars
 from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
 from .plumbing import (STREAM_INTERVAL, Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
@@ -59,6 +60,10 @@ class _Api:
         self.info = self._info()
         self.grammars = Grammars(engine.tokenizer, self.vocab)  # llguidance's tokenizer, built on first use
         self.watch = FileWatch(self.model.file.paths)  # truncated under the mapping: 503, not SIGBUS
+        # and a request in flight when another process cuts the file: the writer waits for the step
+        self.lease = LeaseGuard(self.model.file.paths, lambda: engine.revoke(FileWatch.error("modified")))
+        engine.on_close(self.lease.close)
+        self.watch.revoked = lambda: engine.revoked is not None
 
     def _info(self) -> dict[str, Any]:
         """The model card's ``cmf`` block: what `cmf info --json` says, without server paths."""
@@ -154,8 +159,8 @@ class _Api:
                         lps.extend(ev.logprobs)
                     elif isinstance(ev, Finished):
                         return "".join(parts), lps, ev
-                    elif isinstance(ev, Failed):
-                        raise _Internal()
+                    elif isinstance(ev, Failed):  # a RequestError: the engine stopped for a writer (lease.py)
+                        raise ev.error if isinstance(ev.error, S.RequestError) else _Internal()
 
         async def disconnected() -> None:
             while True:
@@ -306,8 +311,9 @@ class _Api:
                         yield "".join(frames)
                         return
                     elif isinstance(ev, Failed):
-                        frames.append(sse(S.error_body("internal error while generating; see the server log",
-                                                       type="server_error", code="internal_error")))
+                        frames.append(sse(ev.error.body() if isinstance(ev.error, S.RequestError) else S.error_body(
+                            "internal error while generating; see the server log", type="server_error",
+                            code="internal_error")))
                         yield "".join(frames)
                         return
                 if frames:

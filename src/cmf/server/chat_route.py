@@ -160,6 +160,8 @@ async def _events(chan: Channel, choices: list[Choice]) -> AsyncIterator[list[tu
             if isinstance(ev, Finished):
                 choices[i].fin = ev
             elif isinstance(ev, Failed):
+                if isinstance(ev.error, S.RequestError):  # the engine stopped for a writer (lease.py)
+                    raise ev.error
                 from .app import _Internal
 
                 raise _Internal()
@@ -293,6 +295,9 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
                     frames.append(mk(i, {}, finish_reason=reason, extra=api._extra(ev)))
             if frames:
                 yield "".join(frames)
+    except S.RequestError as err:  # the engine stopped for a writer (lease.py)
+        yield sse(err.body())
+        return
     except Exception:  # noqa: BLE001 - the engine failed a job (logged there)
         yield sse(S.error_body("internal error while generating; see the server log", type="server_error",
                                code="internal_error"))

@@ -96,6 +96,11 @@ class Engine(Stepping):
         self._batch = decoder(model)
         self._step_rate = 0.0  # decode steps per second (moving average), for Retry-After
         self._kv_used = 0
+        # Held by the worker around every step that may read the mapping: revoke() takes it to know
+        # that none runs (a lease break waits on it before the file may be cut; see lease.py).
+        self._mapping = threading.Lock()
+        self._revoked: BaseException | None = None
+        self._close_hooks: list[Callable[[], None]] = []
         self.stats: dict[str, int] = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                                       "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
                                       "preempted": 0, "steps": 0, "max_batch": 0}
@@ -212,8 +217,28 @@ class Engine(Stepping):
             self._paused = False
             self._lock.notify_all()
 
+    def revoke(self, error: BaseException) -> None:
+        """The mapped file is about to change: wait for the current step, then fail every running
+        sequence, queued job and call with ``error`` (and every later one). On return no step
+        reads the mapping again."""
+        with self._mapping:
+            self._revoked = error
+        with self._lock:
+            self._lock.notify_all()  # the worker fails what is left
+
+    @property
+    def revoked(self) -> BaseException | None:
+        """The error of :meth:`revoke`, once called."""
+        return self._revoked
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` when the engine closes (the server's lease guard is released there)."""
+        self._close_hooks.append(hook)
+
     def close(self, timeout: float = 5.0) -> None:
         """Cancel what waits and what runs, stop the worker."""
+        for hook in self._close_hooks:
+            hook()
         with self._lock:
             self._closed = True
             left = list(self._queue)
@@ -237,16 +262,20 @@ class Engine(Stepping):
                     self._lock.wait()
                 if self._closed:
                     break
-            try:
-                self._run_calls()
-                self._admit()
-                self._sweep()
-                if self._running:
-                    self._iterate()
-            except Exception as exc:  # noqa: BLE001 - the worker must survive any one step
-                log.exception("engine step failed; failing its %d sequences", len(self._running))
-                for s in list(self._running):
-                    self._fail(s, exc)
+            with self._mapping:
+                if self._revoked is not None:
+                    self._refuse_all(self._revoked)
+                    continue
+                try:
+                    self._run_calls()
+                    self._admit()
+                    self._sweep()
+                    if self._running:
+                        self._iterate()
+                except Exception as exc:  # noqa: BLE001 - the worker must survive any one step
+                    log.exception("engine step failed; failing its %d sequences", len(self._running))
+                    for s in list(self._running):
+                        self._fail(s, exc)
         for s in list(self._running) + list(self._preempted):
             self._end(s, "cancelled")
         self._preempted.clear()
@@ -261,6 +290,25 @@ class Engine(Stepping):
             self._calls.clear()
         for _, fut in calls:
             fut.cancel()
+
+    def _refuse_all(self, error: BaseException) -> None:
+        """After revoke(): fail what runs, what was preempted, what waits and every call."""
+        for s in list(self._running) + list(self._preempted):
+            self._fail(s, error)
+        self._preempted.clear()
+        with self._lock:
+            left, calls = list(self._queue), list(self._calls)
+            self._queue.clear()
+            self._calls.clear()
+            for job in left:
+                job.state = "failed"
+                self.stats["failed"] += 1
+            self._lock.notify_all()
+        for job in left:
+            self._emit(job, Failed(error))
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
 
     def _emit(self, job: Job, event: Event) -> None:
         try:

@@ -12,8 +12,9 @@ The weights are read from a shared read-only mmap. Three things can happen to th
 - **modified in place** (same inode, new size or mtime: an in-place append or recode): the
   mapped bytes may now mix two versions, so it is refused the same way.
 
-One ``os.stat`` per path and request (~2 µs). A request already running when the file is cut can
-still touch a page past the end: the check narrows the window to the requests in flight.
+One ``os.stat`` per path and request (~2 µs). A request already running when the file is cut is
+protected by the read lease of :mod:`.lease` where one can be had (``revoked`` then reports
+that the engine stopped for a writer); without it the window is the requests in flight.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .schemas import RequestError
 
@@ -52,6 +53,7 @@ class FileWatch:
         self.paths = [Path(p) for p in paths]
         self.stamps = {p: _Stamp.of(p) for p in self.paths}
         self._reported: set[tuple[Path, str]] = set()
+        self.revoked: Callable[[], bool] = lambda: False  # the engine stopped for a writer (lease.py)
 
     def _state_of(self, path: Path) -> str:
         then, now = self.stamps[path], _Stamp.of(path)
@@ -77,11 +79,18 @@ class FileWatch:
                         else "; refusing requests (restart the server)")
             if rank[s] > rank[worst]:
                 worst = s
+        if rank[worst] < rank["modified"] and self.revoked():
+            worst = "modified"  # opened for writing by another process: its bytes may change any time
         return worst
+
+    @staticmethod
+    def error(state: str) -> RequestError:
+        """The 503 ``model_file_changed`` for a file ``state`` (truncated or modified)."""
+        return RequestError(503, f"the model file was {state} while this server had it mapped; the server "
+                                 f"must be restarted to serve it", code="model_file_changed")
 
     def check(self) -> None:
         """Raise a 503 ``model_file_changed`` when the mapped bytes can no longer be trusted."""
         s = self.state()
         if s in ("truncated", "modified"):
-            raise RequestError(503, f"the model file was {s} while this server had it mapped; the server "
-                                    f"must be restarted to serve it", code="model_file_changed")
+            raise self.error(s)
