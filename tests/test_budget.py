@@ -102,3 +102,47 @@ def test_target_size_refusals(base_f32, tmp_path):
     r = subprocess.run([sys.executable, "-m", "cmf.cli", "requant", str(base_f32), "-o", str(tmp_path / "y.cmf"),
                         "--quant", "q4tp", "--target-mb", "3", "--bpw", "4"], capture_output=True, text=True)
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_convert_to_a_target_size_fits_the_whole_file(base_f32, tmp_path):
+    """``convert --target-mb``: the dtypes are chosen from the source before anything is written,
+    and the whole output (header, directory, vocab, padding) fits."""
+    from cmf.cli import main as cli
+    from cmf.convert import convert
+
+    q4, q8 = tmp_path / "q4.cmf", tmp_path / "q8.cmf"
+    convert(BASE, q4, "q4tp")
+    convert(BASE, q8, "q8")
+    target = (q4.stat().st_size + q8.stat().st_size) / 2
+    out = tmp_path / "mid.cmf"
+    assert cli(["convert", "-m", str(BASE), "-o", str(out), "--quant", "q4tp", "--target-mb", str(target / 1e6)]) == 0
+    got, counts = _payload_bytes(out)
+    assert q4.stat().st_size < out.stat().st_size <= target
+    assert counts.get("q8_row", 0) > 1 and counts.get("q4tp", 0) + counts.get("q2tp", 0) > 0
+    with cmf_open(out) as f:
+        assert f.verify() == []
+        budget = f.header.to_dict()["provenance"]["options"]["budget"]
+        assert budget["bytes"] <= target and set(budget["matrices"]) <= {"q2tp", "q4tp", "q8_row"}
+    # --bpw through the API
+    out2 = tmp_path / "bpw.cmf"
+    with cmf_open(base_f32) as f:
+        n = sum(t.numel for t in f.tensors())
+    convert(BASE, out2, "q4tp", bpw=5.0)
+    assert out2.stat().st_size <= 5.0 * n / 8
+
+
+def test_convert_target_size_refusals(tmp_path):
+    from cmf.convert import convert
+
+    if not (BASE / "model.safetensors").exists():
+        pytest.skip("../shared/models/base not present")
+    with pytest.raises(ConvertError, match="below the smallest file"):
+        convert(BASE, tmp_path / "x.cmf", "q4tp", target_mb=0.1)
+    with pytest.raises(ConvertError, match="cannot be combined with --shard-max-gb"):
+        convert(BASE, tmp_path / "y.cmf", "q4tp", target_mb=3.0, shard_max_gb=0.001)
+    with pytest.raises(ConvertError, match="must be positive"):
+        convert(BASE, tmp_path / "z.cmf", "q4tp", target_mb=-1.0)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temp files left
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "import-gguf", str(tmp_path / "missing.gguf"), "-o",
+                        str(tmp_path / "g.cmf"), "--bpw", "0.5"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--bpw 0.5 is outside 1..32" in r.stderr and "Traceback" not in r.stderr

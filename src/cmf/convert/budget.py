@@ -185,3 +185,62 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
             fixed += n if n is not None else t.nbytes
     plan = plan_budget(items, fixed, budget, calibration, progress, cache)
     return plan, {n: Choice(d, {}, "budget") for n, d in plan.choice.items()}
+
+
+def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.hf.Plan
+    """Bytes of the file ``plan`` writes that are not tensor payloads, at most: envelope, header
+    (with room for the budget summary it gains), directory and vocab exactly as the writer lays
+    them out, and every payload's worst-case alignment padding (4096 for payloads that may reach
+    16 KiB, 64 below; spec §4)."""
+    from ..format.constants import DATA_ALIGN, LARGE_TENSOR_ALIGN, TENSOR_ALIGN
+    from ..format.directory import encode_directory
+    from ..format.envelope import ENVELOPE_SIZE
+    from ..format.header import serialize_header
+
+    items = plan.items
+    head = ENVELOPE_SIZE + len(serialize_header(plan.header)) + 4096  # budget summary, section hashes
+    head += len(encode_directory([i.name for i in items], [0] * len(items), [tuple(i.shape) for i in items],
+                                 [0] * len(items), [0] * len(items), [0] * len(items)))
+    head = -(-head // DATA_ALIGN) * DATA_ALIGN
+    vocab = len(plan.tokenizer.tokenizer_json or b"")
+    pad = sum(LARGE_TENSOR_ALIGN - 1 if i.name in movable or i.out_bytes >= 16384 else TENSOR_ALIGN - 1
+              for i in items)
+    return head + vocab + pad
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN001 - a convert.hf.Plan
+                  progress: Callable[[int], None] | None = None) -> BudgetPlan:
+    """``convert`` / ``import-gguf`` ``--target-mb`` / ``--bpw``: choose the ladder dtype of every
+    movable matrix of a conversion plan so the whole output file fits, before anything is
+    written. The plan's calibration (if attached) predicts each candidate's loss; the items'
+    choices, size estimates and the header's provenance are updated in place."""
+    from .policy import TOKEN_TABLE, Choice
+
+    if plan.shard_max_bytes is not None:
+        raise ConvertError("--target-mb/--bpw bound one file; they cannot be combined with --shard-max-gb")
+    total = sum(_numel(i.shape) for i in plan.items)
+    movable = [i for i in plan.items
+               if len(i.shape) == 2 and i.choice.dtype in MOVABLE and i.choice.reason in ("quant", "attn-quant")
+               and i.shape[1] % 32 == 0 and not TOKEN_TABLE.search(i.name) and not i.name.endswith(".tid2eid")]
+    names = {i.name for i in movable}
+    budget = target_bytes(target_mb, bpw, total) - _plan_overhead(plan, names)
+    fixed = sum(i.out_bytes for i in plan.items if i.name not in names)
+    items = [(i.name, (lambda i=i: np.asarray(plan.checkpoint.read(i.source, i.cut), np.float32)), i.choice.options)
+             for i in movable]
+    bplan = plan_budget(items, fixed, budget, plan.calibration, progress)
+    from .. import quant as _quant
+
+    for i in movable:
+        dtype = bplan.choice[i.name]
+        i.choice = Choice(dtype, {}, "budget")
+        i.out_bytes = int(_quant.get_codec(dtype).expected_nbytes(tuple(i.shape)))
+        i.out_exact = True
+    plan.header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
+    return bplan

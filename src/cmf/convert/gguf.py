@@ -297,11 +297,16 @@ def _rope_freqs(path: str | os.PathLike[str]) -> list[float] | None:
 def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant: str = "q8", *,
                 tokenizer: str | os.PathLike[str] | None = None, **convert_options: Any):
     """Convert a GGUF file into a CMF file (see the module docstring); returns the ConvertResult."""
-    from .hf import attach_calibration, execute, plan
+    from .hf import attach_calibration, execute, fit_budget, plan
 
     calib = convert_options.pop("calib", None)
     calib_tokens = convert_options.pop("calib_tokens", None)
     calib_progress = convert_options.pop("calib_progress", None)
+    target_mb, bpw = convert_options.pop("target_mb", None), convert_options.pop("bpw", None)
+    if target_mb is not None or bpw is not None:
+        from .budget import target_bytes
+
+        target_bytes(target_mb, bpw, 1)  # a bad value fails before the import's work
     if calib is not None:
         from .calibrate import check_text
 
@@ -320,6 +325,8 @@ def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant
         if calib is not None:
             attach_calibration(p, tmp, calib, out.parent if out.parent.is_dir() else Path("."),
                                tokens=calib_tokens, progress=calib_progress)
+        if target_mb is not None or bpw is not None:
+            fit_budget(p, target_mb, bpw)
         result = execute(p, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

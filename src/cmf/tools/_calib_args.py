@@ -1,4 +1,5 @@
-"""``--calib TEXT`` / ``--calib-tokens N`` for convert, import-gguf and requant, and their progress bar."""
+"""``--calib TEXT`` / ``--calib-tokens N`` and ``--target-mb N`` / ``--bpw B`` for convert, import-gguf and
+requant, and the calibration progress bar."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def add_calib_arguments(p: argparse.ArgumentParser) -> None:
                         f"sees (importance-weighted scales, GPTQ rounding); at least {MIN_TOKENS} tokens")
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"calibration tokens read from the text (default {DEFAULT_MAX_TOKENS})")
+
+
+def add_size_arguments(p: argparse.ArgumentParser) -> None:
+    """The target-size options (cmf.convert.budget, docs/QUANT.md)."""
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--target-mb", type=float, metavar="N",
+                      help="fit the file in N MB (10^6 bytes): each matrix gets q2tp, q4tp or q8_row, whichever "
+                           "mix loses least (predicted from --calib when given)")
+    size.add_argument("--bpw", type=float, metavar="B",
+                      help="as --target-mb, as file bits per weight (file size × 8 / all tensor elements)")
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fmt_bytes, fmt_count, print_json, sanitize, table
-from ._calib_args import add_calib_arguments, calib_progress
+from ._calib_args import add_calib_arguments, add_size_arguments, calib_progress
 
 NAME = "convert"
 SUMMARY = "convert a Hugging Face checkpoint (folder or hub id) into a .cmf file"
@@ -57,6 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan (tensor -> dtype, sizes); write nothing")
     p.add_argument("--revision", metavar="R", help="hub revision (branch, tag or commit)")
     add_calib_arguments(p)
+    add_size_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
@@ -90,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             with calib_progress(args) as cal_bar:
                 hf.attach_calibration(plan, args.model, args.calib, Path(args.output).parent, revision=args.revision,
                                       tokens=args.calib_tokens, progress=cal_bar)
+        if args.target_mb is not None or args.bpw is not None:
+            hf.fit_budget(plan, args.target_mb, args.bpw)
         result = hf.execute(plan, args.output, progress=bar.update if bar is not None else None)
     finally:
         if bar is not None:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from . import fmt_bytes, print_json, sanitize
-from ._calib_args import add_calib_arguments, calib_progress
+from ._calib_args import add_calib_arguments, add_size_arguments, calib_progress
 
 NAME = "import-gguf"
 SUMMARY = "convert a GGUF file (llama, qwen2, qwen3, qwen3moe) into a .cmf file"
@@ -24,6 +24,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "the GGUF's tokens) instead of synthesizing one from the GGUF vocabulary: needed when "
                    "tokenizer.ggml.pre is a name pycmf does not know or the vocabulary is not byte-level BPE")
     add_calib_arguments(p)
+    add_size_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
     return p
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
     with calib_progress(args) as cal_bar:
         res = import_gguf(args.file, args.output, args.quant, tokenizer=args.tokenizer, calib=args.calib,
-                          calib_tokens=args.calib_tokens, calib_progress=cal_bar)
+                          calib_tokens=args.calib_tokens, calib_progress=cal_bar, target_mb=args.target_mb,
+                          bpw=args.bpw)
     paths = [str(p) for p in res.paths]
     data = {"files": paths, "tensors": res.tensors, "bytes": res.bytes}
     if args.json:

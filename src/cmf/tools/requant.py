@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import fmt_bytes, print_json, sanitize, table
-from ._calib_args import add_calib_arguments, calib_progress
+from ._calib_args import add_calib_arguments, add_size_arguments, calib_progress
 
 log = logging.getLogger(__name__)
 
@@ -385,11 +385,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="overwrite the payloads in their slots (refused, with the reason, unless all fit)")
     p.add_argument("--mean-bits", type=float, metavar="N", help="vbit budget in bits per weight (3..8, default 4.25)")
     add_calib_arguments(p)
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--target-mb", type=float, metavar="N",
-                      help="fit the file in N MB (10^6 bytes): each matrix gets q2tp, q4tp or q8_row, whichever "
-                           "mix loses least (predicted from --calib when given)")
-    size.add_argument("--bpw", type=float, metavar="B", help="as --target-mb, as file bits per weight (file size × 8 / all tensor elements)")
+    add_size_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=run)
     return p
