@@ -296,6 +296,38 @@ def test_requant_in_place_eio_midway_keeps_the_old_file(tmp_path: Path, hf_model
         assert f.verify() == [] and any(t.dtype.label == "q8_row" for t in f.tensors())
 
 
+@pytest.mark.slow
+def test_faults_at_every_fortieth_of_the_writes(tmp_path: Path, hf_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The long variant of the two tests above: EIO at 40 points of ``requant --in-place`` and
+    ENOSPC at 40 points of a shard set written over a set, each leaving the old bytes."""
+    from cmf.convert import convert
+    from cmf.tools.requant import requant
+
+    src = tmp_path / "src.cmf"
+    convert(hf_model, src, quant="f16")
+    total = _requant_total(monkeypatch, tmp_path, src)
+    out = tmp_path / "s.cmf"
+    write_sample(out, max_shard_bytes=8192)
+    newer = header(provenance={"tool": "the replacement"})
+    scratch = tmp_path / "count"
+    scratch.mkdir()
+    set_total = _bytes_written(monkeypatch, scratch, lambda: write_sample(scratch / "s.cmf", max_shard_bytes=8192,
+                                                                          hdr=newer))
+    shutil.rmtree(scratch)
+    before = snapshot(tmp_path)
+    for i in range(40):
+        Faults(monkeypatch, tmp_path, budget=total * i // 40, err=errno.EIO)
+        with pytest.raises(IoError, match="the file is unchanged"):
+            requant(src, quant="q8", in_place=True)
+        monkeypatch.undo()
+        Faults(monkeypatch, tmp_path, budget=set_total * i // 40)
+        with pytest.raises(IoError):
+            write_sample(out, max_shard_bytes=8192, hdr=newer)
+        monkeypatch.undo()
+        assert snapshot(tmp_path) == before, i
+    assert_intact(tmp_path, before, src)
+
+
 def test_requant_in_place_eio_on_fsync_keeps_the_old_file(tmp_path: Path, hf_model: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from cmf.convert import convert

@@ -156,3 +156,36 @@ def test_keep_alive_request_after_a_response_is_served(monkeypatch: pytest.Monke
             time.sleep(1.2)
         sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _one_response(sock).startswith(b"HTTP/1.1 200")
+
+
+# ----------------------------------------------------------------------------------- the benchmark, short
+
+
+@pytest.mark.slow
+def test_server_abuse_benchmark_short_run(tmp_path_factory) -> None:
+    """benchmarks/server_abuse.py itself, bounded: 25 s of every attack at once (200 idle
+    connections, 10 slowloris clients, header floods, big bodies, disconnect bursts) against a
+    ``cmf serve`` of the tiny test model. Long enough for the 20 s head deadline to cut the slow
+    clients. ``scripts/test.sh -m slow`` runs it; the 60 s run with 1000 idle clients is in
+    benchmarks/RESULTS.md (*server abuse*)."""
+    import sys
+    from pathlib import Path
+
+    from server_fixtures import tiny_qwen3
+
+    from cmf.convert import convert
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import server_abuse
+
+    root = tmp_path_factory.mktemp("abuse")
+    model = root / "tiny.cmf"
+    convert(tiny_qwen3(root / "hf"), model, quant="q8")
+    r = server_abuse.run(model, seconds=25, idle=200, slow=10)
+    assert r["alive"], r
+    assert r["health_failed"] == 0 and r["health_ok"] >= 30, r  # a probe every 0.5 s, all answered
+    assert r["chat_failed"] == 0 and r["chat_ok"] >= 10, r
+    assert r["refused_bad"] == 0 and r["refused_ok"] > 0, r  # every refusal in the OpenAI error shape
+    assert r["idle_opened"] >= min(200, r["idle_held"]), r
+    assert r["slow_cut"] >= 1, r  # the head deadline cut slowloris clients
+    assert r["bursts"] >= 5 and r["burst_first_chunk"] > 0, r
