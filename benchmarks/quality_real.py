@@ -14,8 +14,12 @@ both engines (pycmf's tokenizer; benchmarks/real_model.py shows llama.cpp's give
   llama.cpp's k-quant mixes (with ``--calib``).
 - llama.cpp (llama-cpp-python in ``.venv-bench``): ``cmf export --format gguf --gguf-type F32`` of
   the f32 file, then ``llama_model_quantize`` to Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, Q3_K_M,
-  Q2_K; perplexity from its own logits. No importance matrix: llama-cpp-python exposes no
-  imatrix tool, and the quantizer's imatrix parameter takes a C++ map.
+  Q2_K; perplexity from its own logits.
+- llama.cpp with an importance matrix (``--llama-bin DIR``: the ``llama-imatrix`` and
+  ``llama-quantize`` tools built from the llama.cpp sources vendored in llama-cpp-python's sdist,
+  which the Python binding does not ship): ``llama-imatrix`` over the same calibration text (the
+  same number of tokens, in windows of 512), then ``llama-quantize --imatrix`` to the same types
+  (Q8_0 ignores the matrix and is not repeated).
 
 MB = 10^6 bytes of file. ``--write`` appends the table to RESULTS.md; ``--plot`` draws PPL vs MB.
 """
@@ -40,7 +44,8 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## quality against llama.cpp (real model)"
 LICENCES = ["Apache-2.0", "GPL-3", "MPL-2.0", "GFDL-1.3", "Artistic", "LGPL-2.1"]
 LLAMA_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"]
-PYCMF = ["q8", "q4t", "q4tp", "q2tp"]
+PYCMF = ["q8", "q4t", "q4tp", "q2tp", "q1t"]
+IMATRIX_TYPES = [t for t in LLAMA_TYPES if t != "Q8_0"]  # llama.cpp's Q8_0 quantizer takes no imatrix
 
 
 def texts(work: Path) -> tuple[Path, Path]:
@@ -81,12 +86,32 @@ def llama_quantize(src: Path, dst: Path, ftype: str) -> None:
         raise RuntimeError(f"llama_model_quantize {ftype} failed ({rc})")
 
 
+def llama_imatrix(bin_dir: Path, gguf: Path, text: Path, out: Path, window: int, tokens: int) -> None:
+    """llama.cpp's importance matrix of ``gguf`` on ``text`` (``tokens`` tokens in windows)."""
+    cmd = [str(bin_dir / "llama-imatrix"), "-m", str(gguf), "-f", str(text), "-o", str(out), "-c", str(window),
+           "--chunks", str(max(1, tokens // window)), "-t", "2", "--no-ppl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama-imatrix failed ({r.returncode}): {r.stderr[-2000:]}")
+
+
+def llama_quantize_imatrix(bin_dir: Path, imatrix: Path, src: Path, dst: Path, ftype: str) -> None:
+    """``llama-quantize --imatrix`` (the tool, not the binding: the binding's parameter is a C++ map)."""
+    r = subprocess.run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(src), str(dst), ftype, "2"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or not dst.exists():
+        raise RuntimeError(f"llama-quantize --imatrix {ftype} failed ({r.returncode}): {r.stderr[-2000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--llama", default=",".join(LLAMA_TYPES))
+    ap.add_argument("--llama-bin", metavar="DIR", help="folder with llama.cpp's llama-imatrix and llama-quantize "
+                    "(built from source): adds llama.cpp's types quantized with an importance matrix")
+    ap.add_argument("--pycmf", default=",".join(PYCMF), help="pycmf profiles, each without and with --calib")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
@@ -110,6 +135,7 @@ def main() -> None:
         ids = encode_text(m.tokenizer, eval_text.read_text())
     chunks = min(args.chunks, len(ids) // args.window)
     rows: list[tuple[str, str, float, float]] = []  # engine, file, MB, PPL
+    imatrix_s = 0.0
 
     def ours(path: Path, label: str) -> None:
         with cmf.load(path) as m:
@@ -121,7 +147,7 @@ def main() -> None:
     t = time.time()
     cal = calib.collect(f32, calib_text, max_tokens=args.calib_tokens)
     calib_s = time.time() - t
-    for q in PYCMF:
+    for q in [x for x in args.pycmf.split(",") if x]:
         for with_cal in (False, True):
             out = work / f"smol-{q}{'-calib' if with_cal else ''}.cmf"
             requant(f32, out, quant=q, calib=cal if with_cal else None)
@@ -139,13 +165,25 @@ def main() -> None:
             llama[ty] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
             rows.append(("llama.cpp", ty, *llama[ty]))
             print(f"llama.cpp {ty}: {llama[ty][0]:.1f} MB PPL {llama[ty][1]:.3f}", file=sys.stderr, flush=True)
+        if args.llama_bin:
+            imat = work / "smol-imatrix.gguf"
+            t = time.time()
+            llama_imatrix(Path(args.llama_bin), g32, calib_text, imat, args.window, args.calib_tokens)
+            imatrix_s = time.time() - t
+            for ty in [x for x in types if x in IMATRIX_TYPES]:
+                g = work / f"smol-{ty}-imatrix.gguf"
+                llama_quantize_imatrix(Path(args.llama_bin), imat, g32, g, ty)
+                key = f"{ty} imatrix"
+                llama[key] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
+                rows.append(("llama.cpp", key, *llama[key]))
+                print(f"llama.cpp {key}: {llama[key][0]:.1f} MB PPL {llama[key][1]:.3f}", file=sys.stderr, flush=True)
     # pycmf at each llama.cpp size that lies between its q2tp and q8 files
     cache: dict = {}
     lo = min(r[2] for r in rows if r[0] == "pycmf" and r[1].startswith("q2tp"))
     for ty, (mb, _) in llama.items():
-        if mb <= lo:
-            continue
-        out = work / f"smol-target-{ty}.cmf"
+        if mb <= lo or ty.endswith(" imatrix") and abs(mb - llama[ty.split()[0]][0]) < 0.05:
+            continue  # an imatrix file of the plain one's size needs no second target file
+        out = work / f"smol-target-{ty.replace(' ', '-')}.cmf"
         requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file
         ours(out, f"--target-mb ({ty} size) --calib")
 
@@ -159,11 +197,13 @@ def main() -> None:
         verdict = "no pycmf file that small" if best is None else (
             f"{best[1]} {best[2]:.1f} MB PPL {best[3]:.3f}: {'better' if best[3] <= p else 'WORSE'}")
         wins.append(f"- {ty} ({mb:.1f} MB, {p:.3f}): best pycmf file no larger: {verdict}")
+    imatrix_note = (f"with (llama-imatrix on the same text, {imatrix_s:.0f} s) and without an importance matrix"
+                    if args.llama_bin else "without an importance matrix")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     entry = (f"### {stamp} — {machine()}\n\n"
              f"SmolLM2-135M-Instruct f32 (imported from the Q4_1 GGUF) as the source; calibration "
              f"{cal.tokens} tokens of licence texts ({calib_s:.0f} s); evaluation `man bash`, {chunks} windows "
-             f"of {args.window}. llama.cpp without an importance matrix. {time.time() - t0:.0f} s in all.\n\n"
+             f"of {args.window}. llama.cpp {imatrix_note}. {time.time() - t0:.0f} s in all.\n\n"
              f"{body}\n\n" + "\n".join(wins) + "\n")
     print(entry)
     if args.plot:
@@ -173,11 +213,13 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for engine, style in (("pycmf", "o-"), ("llama.cpp", "s--")):
-            pts = sorted((mb, p) for e, f, mb, p in rows if e == engine and f != "f32"
-                         and (engine != "pycmf" or "--calib" in f))
+        lines = (("pycmf (--calib)", "o-", lambda e, f: e == "pycmf" and "--calib" in f),
+                 ("llama.cpp", "s--", lambda e, f: e == "llama.cpp" and "imatrix" not in f),
+                 ("llama.cpp (imatrix)", "^:", lambda e, f: e == "llama.cpp" and "imatrix" in f))
+        for label, style, keep in lines:
+            pts = sorted((mb, p) for e, f, mb, p in rows if keep(e, f) and f != "f32")
             if pts:
-                ax.plot(*zip(*pts), style, label=engine + (" (--calib)" if engine == "pycmf" else ""))
+                ax.plot(*zip(*pts), style, label=label)
         ax.axhline(f32_ppl, color="grey", lw=0.8, ls=":", label="f32")
         ax.set_xlabel("file size (MB)")
         ax.set_ylabel("perplexity, man bash")

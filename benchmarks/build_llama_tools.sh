@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-imatrix / llama-quantize / llama-perplexity, built from the llama.cpp sources
+# vendored in llama-cpp-python's sdist (the Python binding ships the library, not these tools).
+# Used by benchmarks/quality_real.py --llama-bin. About 15 minutes on 2 cores.
+#   bash benchmarks/build_llama_tools.sh [WORK_DIR]   -> prints the bin folder
+set -euo pipefail
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+WORK="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/pycmf/llama-tools}"
+mkdir -p "$WORK"
+cd "$WORK"
+if [ ! -f "llama_cpp_python-$VERSION.tar.gz" ]; then
+  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d . >&2
+fi
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+[ -d "$SRC" ] || tar xzf "llama_cpp_python-$VERSION.tar.gz"
+cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+cmake --build "$SRC/build" --target llama-imatrix llama-quantize llama-perplexity -j"$(nproc)" >&2
+echo "$SRC/build/bin"
