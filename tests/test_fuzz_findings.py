@@ -24,7 +24,8 @@ from cmf.convert.gguf import import_gguf  # noqa: E402
 from cmf.convert.gguf_scan import GgufError, scan  # noqa: E402
 from cmf.convert.gguf_tokenizer import tokenizer_json_from_gguf  # noqa: E402
 
-U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+U32, U64, F32, STR, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64, gguf.GGUFValueType.FLOAT32,
+                           gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def _rewrite(src: Path, dst: Path, meta: dict | None = None) -> Path:
             continue
         val, vtype = meta.pop(key, (field.contents(), field.types[0]))
         w.add_key_value(key, val, vtype, field.types[1] if len(field.types) > 1 else None)
-    for key, (val, vtype) in meta.items():
-        w.add_key_value(key, val, vtype)
+    for key, (val, vtype, *sub) in meta.items():
+        w.add_key_value(key, val, vtype, *sub)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -68,6 +69,11 @@ def test_the_seed_imports(q8_gguf: Path, tmp_path: Path) -> None:
     ({"llama.block_count": ("x", STR)}, "block_count = 'x' is not an integer"),
     ({"llama.attention.layer_norm_rms_epsilon": ("x", STR)}, "epsilon = 'x' is not a finite number"),
     ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), F32)}, "is not a finite number"),
+    # the meta-data mutator's findings: lists and counts the converter built structures from
+    ({"llama.block_count": (2**40, U64)}, "block_count = 1099511627776, but the tensors name 1 block"),
+    ({"llama.attention.key_length": (2**63, U64)}, "key_length = 9223372036854775808 is not an integer >= 1 <= "),
+    ({"llama.attention.head_count": (2**40, U64)}, "head_count = 1099511627776 is not an integer"),
+    ({"llama.rope.scaling.type": (["linear"], ARR, STR)}, r"rope.scaling.type = \['linear'\] is not a string"),
 ])
 def test_bad_metadata_is_a_gguf_error(meta: dict, what: str, q8_gguf: Path, tmp_path: Path) -> None:
     g = _rewrite(q8_gguf, tmp_path / "m.gguf", meta)

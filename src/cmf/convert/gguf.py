@@ -101,6 +101,10 @@ def read_metadata(reader) -> dict[str, Any]:
     return out
 
 
+# Bounds on counts the converter loops over or builds lists from, far above any real model's
+_MAX_HEADS, _MAX_HEAD_DIM, _MAX_EXPERTS = 1 << 14, 1 << 14, 1 << 16
+
+
 def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[str, Any]:
     """A Hugging Face config.json for the GGUF metadata (legacy rope style)."""
     arch = meta.get("general.architecture")
@@ -113,7 +117,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
             raise GgufError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    def num(key: str, kind: type, default: Any = None, required: bool = False, low: int | None = None) -> Any:
+    def num(key: str, kind: type, default: Any = None, required: bool = False, low: int | None = None,
+            high: int | None = None) -> Any:
         """A numeric field as ``kind``; a string, list or non-integral value is a GgufError (found by
         fuzzing: ``int('x')`` and a zero head count escaped as ValueError/ZeroDivisionError)."""
         v = get(key, default, required)
@@ -122,19 +127,21 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
         ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
         if ok and kind is int:
             ok = float(v).is_integer()
-        if not ok or (low is not None and v < low):
+        if not ok or (low is not None and v < low) or (high is not None and v > high):
             need = "an integer" if kind is int else "a finite number"
             raise GgufError(f"GGUF metadata {arch}.{key} = {v!r} is not {need}"
-                            + (f" >= {low}" if low is not None else ""))
+                            + (f" >= {low}" if low is not None else "") + (f" <= {high}" if high is not None else ""))
         return kind(v)
 
     hidden = num("embedding_length", int, required=True, low=1)
-    heads = num("attention.head_count", int, required=True, low=1)
+    heads = num("attention.head_count", int, required=True, low=1, high=_MAX_HEADS)
     cfg: dict[str, Any] = {
         "model_type": ARCH_TO_MODEL_TYPE[arch], "hidden_size": hidden,
-        "num_hidden_layers": num("block_count", int, required=True), "num_attention_heads": heads,
-        "num_key_value_heads": num("attention.head_count_kv", int, heads, low=1),
-        "head_dim": num("attention.key_length", int, hidden // heads),
+        "num_hidden_layers": _layers(num("block_count", int, required=True, low=1), tensor_names),
+        "num_attention_heads": heads,
+        "num_key_value_heads": num("attention.head_count_kv", int, heads, low=1, high=_MAX_HEADS),
+        # bounded: the converter builds per-frequency lists of head_dim / 2 (found by fuzzing: 2**63)
+        "head_dim": num("attention.key_length", int, hidden // heads, low=1, high=_MAX_HEAD_DIM),
         "rms_norm_eps": num("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_theta": num("rope.freq_base", float, 10000.0),
         "max_position_embeddings": num("context_length", int, 4096), "vocab_size": vocab,
@@ -147,14 +154,16 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     scaling = get("rope.scaling.type")
+    if scaling is not None and not isinstance(scaling, str):  # found by fuzzing: a list was a TypeError
+        raise GgufError(f"GGUF metadata {arch}.rope.scaling.type = {scaling!r} is not a string")
     if scaling and scaling != "none":
         rs = {"rope_type": scaling, "factor": num("rope.scaling.factor", float, 1.0)}
         if get("rope.scaling.original_context_length"):
             rs["original_max_position_embeddings"] = num("rope.scaling.original_context_length", int)
         cfg["rope_scaling"] = rs
     if arch in ("qwen2moe", "qwen3moe"):
-        cfg.update(num_experts=num("expert_count", int, required=True),
-                   num_experts_per_tok=num("expert_used_count", int, required=True),
+        cfg.update(num_experts=num("expert_count", int, required=True, low=1, high=_MAX_EXPERTS),
+                   num_experts_per_tok=num("expert_used_count", int, required=True, low=1, high=_MAX_EXPERTS),
                    moe_intermediate_size=num("expert_feed_forward_length", int, required=True),
                    decoder_sparse_step=1, mlp_only_layers=[])
         cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
@@ -162,6 +171,15 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
         if arch == "qwen2moe":
             cfg["shared_expert_intermediate_size"] = num("expert_shared_feed_forward_length", int, 0)
     return cfg
+
+
+def _layers(n: int, tensor_names: set[str]) -> int:
+    """``block_count``, at most the blocks the tensors name (found by fuzzing: 2**40 built a list
+    of that many layer types in the converter)."""
+    blocks = {name.split(".", 2)[1] for name in tensor_names if name.startswith("blk.") and name.count(".") >= 2}
+    if n > len(blocks):
+        raise GgufError(f"GGUF metadata block_count = {n}, but the tensors name {len(blocks)} block(s)")
+    return n
 
 
 def _token_id(meta: dict[str, Any], which: str) -> int | None:
