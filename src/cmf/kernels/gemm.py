@@ -5,8 +5,9 @@ into its own buffer (sized to stay in its L2) and multiplies them with single-th
 sgemm (``kernels/blas.py``), writing straight into its column block of ``Y`` (``ldc = out``): no
 transposed result, no second thread pool, no f32 copy of the matrix. f32 weights are multiplied
 in place (each thread's mapped rows are its operand). The 4-bit family dequantizes whole 64-row tiles
-transposed (contiguous on both sides, see q4.py) and multiplies them untransposed — on CPUs
-without VNNI; with it, its blocks run the integer tile loop instead (``q4.block_par``).
+transposed (contiguous on both sides, see q4.py) and multiplies them untransposed — unless its
+blocks run the integer tile loop instead (``q4.block_par``; AVX-512 VNNI, or int8 activations on
+AVX2: ``q4.BLOCK_PIECES``).
 
 f32 goes this way too although numpy's sgemm on the mapped view would need no kernel: OpenBLAS's
 own threads keep spinning ~0.1 s after each call and starve the numba regions that follow

@@ -35,7 +35,7 @@ import numpy as np
 from numba import prange
 
 from ..format.constants import GROUP
-from ._ir import INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
+from ._ir import DOT_PATH, INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
 from ._jit import (PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, crumb, f16_to_f32, field32, group_scales, hi_nibble,
                    lo_nibble, prefetch_at, put_word, word_at)
 from .xprep import fill_x, quantize_x
@@ -60,6 +60,12 @@ FINE = np.float32(1 / 128 ** 2)  # unit of the three pieces' combined integer su
 # hardware u8 x s8 dot (AVX-512 VNNI, AVX-VNNI, AVX2: kernels/int_dot.py; the portable form is
 # slower than the float kernels); elsewhere x stays float32.
 EXACT_PIECES = 3 if INT_DOT else 0
+# The x pieces for which blocks of tokens (prefill) run the integer block loop (``block_par``)
+# rather than dequantize + sgemm. With vpdpbusd on 512 bits both modes gain (1.2-1.3x exact, 2x
+# int8); with AVX2's vpmaddubsw only one piece does: SmolLM2-135M q4tp prefill-512 exact 87-115
+# t/s against 116-250 through sgemm, int8 175-228 against 130-218 (1 thread, 2026-12-01).
+# AVX-VNNI (256-bit vpdpbusd) is not measured and takes the AVX2 choice.
+BLOCK_PIECES = (1, 3) if DOT_PATH == "vnni512" else ((1,) if INT_DOT else ())
 
 
 @numba.njit(**SERIAL)

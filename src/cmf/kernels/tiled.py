@@ -17,7 +17,7 @@ from ._base import FusedLinear, TILE_BYTES
 from ._jit import PARALLEL_ORDERED, SERIAL_ORDERED, huge_zeros, scratch, threads
 from ._jit import chunk as _chunk
 from .blas import NO_TRANS, TRANS, sgemm
-from .q4 import (CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH, ZERO, R,
+from .q4 import (BLOCK_PIECES, CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH, ZERO, R,
                  block_par, decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
 from .xprep import fill_x
 
@@ -49,7 +49,7 @@ class TiledLinear(FusedLinear):
             tiled_tail(a, w64, self.tail, self.kind, self.src, self.scs, self.cs, self.params, self.exp2tab, X, Y, buf)
 
     # Batches up to fused_max_t tokens run the decode loop (one token at a time, the weights
-    # streamed with prefetch), larger ones the block loop (q4.block_par) or, without VNNI,
+    # streamed with prefetch), larger ones the block loop (q4.block_par) or, where it is slower (``q4.BLOCK_PIECES``),
     # dequantize + sgemm. Crossovers measured on the benchmark model's gate/up matrices from
     # DRAM: block against the decode loop T ≈ 6, exact (T = 4 1.04×, 8 0.93×, 16 0.85× the time)
     # and int8 (1.05×, 0.86×, 0.74×); dequantize + sgemm against the decode loop T ~ 24-32
@@ -116,11 +116,13 @@ class TiledLinear(FusedLinear):
         """Run the fused products (decode, small batches) with activations quantized to int8 per
         group of 32, as llama.cpp does for its 4-bit types: integer dot products, ~2× faster on
         CPUs with VNNI, results within ~1e-2 relative of the exact product (``quantize_x``).
-        On CPUs with VNNI blocks of tokens (prefill) take int8 activations too, in the integer
-        block loop; without VNNI they stay exact (dequantize + sgemm). Returns the new setting."""
+        On CPUs with an integer dot (VNNI, AVX2) blocks of tokens (prefill) take int8
+        activations too, in the integer block loop; elsewhere they stay exact (dequantize +
+        sgemm). Returns the new setting."""
         self.int8 = bool(on)
         self.pieces = 1 if self.int8 else EXACT_PIECES
-        self.fused_max_t = self.BLOCK_MIN_T - 1 if EXACT_PIECES else TiledLinear.fused_max_t
+        self.block = self.pieces in BLOCK_PIECES  # blocks of tokens through q4.block_par
+        self.fused_max_t = self.BLOCK_MIN_T - 1 if self.block else TiledLinear.fused_max_t
         return self.int8
 
     def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -178,7 +180,7 @@ class TiledLinear(FusedLinear):
     def _batched(self, X, rows):
         if rows is not None or not self.ntiles:
             return super()._batched(X, rows)
-        if EXACT_PIECES:
+        if self.block:
             # Integer tile products over the token block (q4.block_par), x in this op's pieces
             # (three exact, one with int8 activations): each tile's bytes are read once and
             # multiplied by every token from cache, with VNNI's four products per lane — 1.3×
