@@ -32,25 +32,17 @@ from ..format._atomic import apply_output_mode
 from ..format.header import as_arch
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
-from .config import TEXT_TYPES, WRAPPERS, load_config, text_config
+from .config import load_config, text_config
 from .errors import ConvertError
 from .mla_layout import MlaLayout, export_layout, hf_rows
 from .names import Fuse, fuse_groups, rename_table
+from .profiles import ARCH_TO_TYPE, CAUSAL_LM, PROFILES, WRAPPERS, family_of
 from .tokenizer import token_content
 
 log = logging.getLogger(__name__)
 
 EXPORT_DTYPES = {"f32": ("F32", 4, "float32"), "f16": ("F16", 2, "float16"), "bf16": ("BF16", 2, "bfloat16")}
 TORCH_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-CAUSAL_LM = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-}
-ARCH_TO_TYPE = {arch: mt for mt, (arch, _) in TEXT_TYPES.items()}
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
 
@@ -120,6 +112,10 @@ def config_for(arch: dict[str, Any], provenance: Any) -> tuple[dict[str, Any], s
     return _rebuild(arch), ARCH_TO_TYPE.get(str(arch.get("arch_name")), "llama")
 
 
+# The config key counting the experts, per MoE kind (Profile.moe); the others say num_experts.
+_EXPERTS_KEY = {"mixtral": "num_local_experts", "deepseek": "n_routed_experts"}
+
+
 def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
     """A config.json from the arch block alone (files converted by other tools)."""
     mt = ARCH_TO_TYPE.get(str(a.get("arch_name")))
@@ -127,6 +123,7 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
         raise ConvertError(f"arch_name {a.get('arch_name')!r} has no known Hugging Face model type and the file "
                            "carries no provenance.hf_config; cannot write a config.json")
     log.warning("no provenance.hf_config in the file: config.json rebuilt from the header (best effort)")
+    p = PROFILES[mt]
     lt = {"FullAttention": "full_attention", "SlidingAttention": "sliding_attention",
           "LinearAttention": "linear_attention"}
     cfg: dict[str, Any] = {
@@ -139,7 +136,7 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
         "layer_types": [lt.get(t, t) for t in as_arch(a).layer_kinds],  # the schedule as run
     }
     act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}.get(a.get("hidden_act", "silu"), "silu")
-    cfg["hidden_activation" if mt in ("gemma2", "gemma3_text") else "hidden_act"] = act
+    cfg[p.activation_key] = act
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.get("rope_theta", 10000.0)}
     if a.get("partial_rotary_factor", 1.0) != 1.0:
         rope["partial_rotary_factor"] = a["partial_rotary_factor"]
@@ -153,7 +150,7 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
         rope.update(rope_type="linear", factor=factors[0])
     elif factors:
         log.warning("per-frequency RoPE factors cannot be expressed in config.json; exported as plain RoPE")
-    if a.get("rope_local_base_freq") is not None and mt == "gemma3_text":
+    if a.get("rope_local_base_freq") is not None and p.local_rope_base:
         cfg["rope_parameters"] = {"full_attention": rope,
                                   "sliding_attention": {"rope_type": "default", "rope_theta": a["rope_local_base_freq"]}}
     else:
@@ -167,12 +164,11 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
             cfg[k] = int(v) if k == "query_pre_attn_scalar" and float(v).is_integer() else v
     moe = a.get("moe")
     if moe:
-        n_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
-        cfg[n_key.get(mt, "num_experts")] = moe["num_experts"]
+        cfg[_EXPERTS_KEY.get(p.moe, "num_experts")] = moe["num_experts"]
         cfg["num_experts_per_tok"] = moe["top_k"]
         cfg["moe_intermediate_size"] = moe["moe_intermediate_size"]
         cfg["norm_topk_prob"] = moe.get("norm_topk_prob", False)
-        if moe.get("shared_expert_intermediate_size") and mt not in ("deepseek_v3", "glm4_moe"):
+        if moe.get("shared_expert_intermediate_size") and p.moe != "deepseek":  # n_shared_experts instead
             cfg["shared_expert_intermediate_size"] = moe["shared_expert_intermediate_size"]
         for k in ("routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace"):
             if moe.get(k) is not None:
@@ -198,19 +194,20 @@ class _Out:
     fuse: Fuse | None = None
 
 
-def _mtp_kind(family: str, arch: dict[str, Any], names: list[str]) -> str | None:
+def _mtp_kind(mt: str, names: list[str]) -> str | None:
     if not any(n.startswith("model.mtp.") for n in names):
         return None
-    return "deepseek" if family == "deepseek" else "qwen"
+    p = PROFILES.get(mt)
+    return "qwen" if p is None else p.mtp_style
 
 
 def tensor_plan(f: CmfFile, mt: str) -> list[_Out]:
     """The HF tensors to write (hub names) and the CMF tensors each is built from."""
     arch = f.header.arch.raw
-    family = TEXT_TYPES.get(mt, (None, "llama"))[1]
+    family = family_of(mt)
     names = f.keys()
     shapes = {n: f.tensor(n).shape for n in names}
-    mtp = _mtp_kind(family, arch, names)
+    mtp = _mtp_kind(mt, names)
     table = rename_table(family, int(arch["num_layers"]), mtp)
     dims = {k: arch.get(k) for k in ("num_attention_heads", "num_kv_heads", "head_dim", "linear_num_key_heads",
                                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")}

@@ -7,8 +7,8 @@ are un-permuted, 3-D expert banks are split per expert. The result is written as
 Hugging Face folder (config.json synthesized from the metadata, tokenizer.json synthesized from
 the vocabulary, f32 safetensors written one tensor at a time) and converted with
 :func:`cmf.convert.convert`, so the dtype policy, names and header are the same as for HF input.
-Supported architectures: llama (and mistral, which GGUF calls llama), qwen2, qwen3, qwen2moe,
-qwen3moe.
+Supported architectures: those a profile imports (:mod:`.profiles`, ``GgufArch.imports``): llama
+(and mistral, which GGUF calls llama), qwen2, qwen3, qwen2moe, qwen3moe.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import numpy as np
 
 from .gguf_scan import GgufError, scan
 from .gguf_tokenizer import check_tokenizer_vocab, tokenizer_json_from_gguf
+from .profiles import GGUF_IMPORTS, PROFILES, GgufArch
 
 log = logging.getLogger(__name__)
 
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                      "qwen3moe": "qwen3_moe"}
+ARCH_TO_MODEL_TYPE = GGUF_IMPORTS  # llama.cpp architecture -> model_type (the profiles' table)
 
 # GGUF tensor name → HF name ({i} = block, {w} = weight|bias); expert banks handled separately.
 NAME_TABLE = [
@@ -133,6 +133,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
                             + (f" >= {low}" if low is not None else "") + (f" <= {high}" if high is not None else ""))
         return kind(v)
 
+    p = PROFILES[ARCH_TO_MODEL_TYPE[arch]]
+    conv = _gguf_of(arch)
     hidden = num("embedding_length", int, required=True, low=1)
     heads = num("attention.head_count", int, required=True, low=1, high=_MAX_HEADS)
     cfg: dict[str, Any] = {
@@ -151,7 +153,7 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
     ff = num("feed_forward_length", int)
     if ff is not None:
         cfg["intermediate_size"] = ff
-    if arch == "llama":
+    if conv.attention_bias:
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     scaling = get("rope.scaling.type")
     if scaling is not None and not isinstance(scaling, str):  # found by fuzzing: a list was a TypeError
@@ -161,14 +163,14 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[
         if get("rope.scaling.original_context_length"):
             rs["original_max_position_embeddings"] = num("rope.scaling.original_context_length", int)
         cfg["rope_scaling"] = rs
-    if arch in ("qwen2moe", "qwen3moe"):
+    if p.moe is not None:
         cfg.update(num_experts=num("expert_count", int, required=True, low=1, high=_MAX_EXPERTS),
                    num_experts_per_tok=num("expert_used_count", int, required=True, low=1, high=_MAX_EXPERTS),
                    moe_intermediate_size=num("expert_feed_forward_length", int, required=True),
                    decoder_sparse_step=1, mlp_only_layers=[])
         cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
-        cfg["norm_topk_prob"] = bool(get("expert_weights_norm", arch == "qwen3moe"))
-        if arch == "qwen2moe":
+        cfg["norm_topk_prob"] = bool(get("expert_weights_norm", conv.norm_topk_default))
+        if p.moe_shared_expert:
             cfg["shared_expert_intermediate_size"] = num("expert_shared_feed_forward_length", int, 0)
     return cfg
 
@@ -180,6 +182,13 @@ def _layers(n: int, tensor_names: set[str]) -> int:
     if n > len(blocks):
         raise GgufError(f"GGUF metadata block_count = {n}, but the tensors name {len(blocks)} block(s)")
     return n
+
+
+def _gguf_of(arch: str) -> GgufArch:
+    """The GGUF conventions of an importable llama.cpp architecture."""
+    g = PROFILES[ARCH_TO_MODEL_TYPE[arch]].gguf
+    assert g is not None  # GGUF_IMPORTS lists only profiles with one
+    return g
 
 
 def _token_id(meta: dict[str, Any], which: str) -> int | None:
@@ -195,6 +204,7 @@ def _plan_tensors(reader, cfg: dict[str, Any], arch: str) -> list[tuple[str, Any
                                                                       tuple[int, ...]]]:
     """(hf name, reader tensor, transform, hf shape) for every output tensor, in file order."""
     out = []
+    permuted = _gguf_of(arch).permute_qk
     for t in reader.tensors:
         if any(rx.match(t.name) for rx in SKIP):
             log.info("skipping %s (not needed by the HF model)", t.name)
@@ -211,9 +221,9 @@ def _plan_tensors(reader, cfg: dict[str, Any], arch: str) -> list[tuple[str, Any
             raise GgufError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart we know")
         fn: Callable[[np.ndarray], np.ndarray] = lambda a: a  # noqa: E731
         heads = None
-        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             heads = cfg["num_attention_heads"]
-        elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             heads = cfg["num_key_value_heads"]
         if heads is not None:
             if shape[0] % (2 * heads):  # the un-permute splits each head's rows in two halves

@@ -1,4 +1,5 @@
-"""CMF → GGUF for llama.cpp (llama, mistral, qwen2, qwen3, qwen3_moe): metadata, vocabulary, tensors.
+"""CMF → GGUF for llama.cpp (the profiles that export: llama, mistral, qwen2, qwen3, qwen3_moe): metadata,
+vocabulary, tensors.
 
 Names follow llama.cpp's tables (the inverse of :mod:`cmf.convert.gguf`), llama-arch Q/K rows get
 llama.cpp's permutation, expert tensors of a layer are stacked into 3-D banks, 1-D tensors are
@@ -21,11 +22,11 @@ from ..format.reader import open as cmf_open
 from .gguf import NAME_TABLE, permute_qk
 from .gguf_scan import GgufError
 from .gguf_tokenizer import gguf_vocab_from_tokenizer_json
+from .profiles import GGUF_EXPORTS, PROFILES
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPE_TO_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3_moe": "qwen3moe"}
+MODEL_TYPE_TO_ARCH = GGUF_EXPORTS  # model_type -> llama.cpp architecture (the profiles' table)
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
 
 
@@ -67,6 +68,9 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], gguf
         arch = MODEL_TYPE_TO_ARCH.get(mt)
         if arch is None:
             raise GgufError(f"GGUF export supports {', '.join(MODEL_TYPE_TO_ARCH)}; this model is {mt!r}")
+        conv = PROFILES[mt].gguf
+        assert conv is not None  # GGUF_EXPORTS lists only profiles with one
+        permuted = conv.permute_qk  # llama.cpp's interleaved Q/K rows
         a = f.arch
         raw = a.raw
         tmp = out.with_name(f".{out.name}.tmp")
@@ -109,9 +113,9 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], gguf
                 raise GgufError(f"tensor {name!r} has no llama.cpp name (GGUF export supports plain "
                                 f"llama/qwen2/qwen3/qwen3_moe tensors)")
             arr = np.ascontiguousarray(f.array(name), dtype=np.float32)
-            if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 arr = permute_qk(arr, a.num_attention_heads)
-            elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
                 arr = permute_qk(arr, a.num_kv_heads)
             _add(w, g, arr, qtype, gguf)
         for (layer, role), experts in sorted(banks.items()):

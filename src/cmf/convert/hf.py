@@ -60,7 +60,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 def _mtp_kind(mc: ModelConfig, names: list[str]) -> str | None:
     n = mc.arch["num_layers"]
-    if mc.family == "deepseek":
+    if mc.profile.mtp_style == "deepseek":  # the MTP module is the decoder layer after the last
         extra = sorted({int(m.group(1)) for s in names if (m := _LAYER_IDX.match(s)) and int(m.group(1)) >= n})
         if not extra:
             return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 # Tensors of multimodal checkpoints that belong to other towers: dropped, the text tower stays.
 DROP_PREFIXES = (
@@ -85,6 +85,7 @@ def deepseek_mtp_renames(num_layers: int) -> tuple[tuple[str, str], ...]:
     )
 
 
+_BANK_BIAS = ("{P}.mlp.experts.e_score_correction_bias", "{P}.mlp.expert_bias")
 _SLOTS = {"P": r"(?P<P>.+\.layers\.\d+)", "E": r"(?P<E>\d+)", "L": r"(?P<L>\d+)", "R": r"(?P<R>.+)"}
 
 
@@ -139,8 +140,8 @@ def rename_table(family: str, num_layers: int, mtp: str | None) -> RenameTable:
     elif mtp == "qwen":
         first = RENAMES["qwen_mtp"]
     family_rules = list(RENAMES.get(family, ()))
-    if family != "deepseek":
-        family_rules.append(("{P}.mlp.experts.e_score_correction_bias", "{P}.mlp.expert_bias"))
+    if _BANK_BIAS not in family_rules:  # the transformers-5 spelling of the router bias, in any family
+        family_rules.append(_BANK_BIAS)
     return RenameTable(first, family_rules)
 
 
@@ -199,43 +200,53 @@ def split_rules(family: str, dims: dict[str, Any]) -> list[tuple[re.Pattern[str]
     rules.append((re.compile(r"(?P<P>.+\.mlp)\.experts\.gate_up_proj(\.weight)?\Z"), bank_gate_up))
     rules.append((re.compile(r"(?P<P>.+\.mlp)\.experts\.down_proj(\.weight)?\Z"), bank_down))
 
-    if family == "phi3":
-        nh, nkv, hd = dims["num_attention_heads"], dims["num_kv_heads"], dims["head_dim"]
-        q, kv = nh * hd, nkv * hd
-
-        def qkv(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
-            p = m.group("P")
-            return [(f"{p}.q_proj.weight", Cut(rows=((0, q),))), (f"{p}.k_proj.weight", Cut(rows=((q, q + kv),))),
-                    (f"{p}.v_proj.weight", Cut(rows=((q + kv, q + 2 * kv),)))]
-
-        def gate_up(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
-            p, i = m.group("P"), shape[0] // 2
-            return [(f"{p}.gate_proj.weight", Cut(rows=((0, i),))), (f"{p}.up_proj.weight", Cut(rows=((i, 2 * i),)))]
-
-        rules.append((re.compile(r"(?P<P>.+\.self_attn)\.qkv_proj\.weight\Z"), qkv))
-        rules.append((re.compile(r"(?P<P>.+\.mlp)\.gate_up_proj\.weight\Z"), gate_up))
-
-    if family == "qwen3_next":
-        nk, nv = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
-        dk, dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
-        r = nv // nk  # value heads per key-head group
-        blk = 2 * dk + 2 * r * dv
-
-        def qkvz(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
-            p = m.group("P")
-            qkv_rows = (_grouped(nk, blk, 0, dk) + _grouped(nk, blk, dk, 2 * dk)
-                        + _grouped(nk, blk, 2 * dk, 2 * dk + r * dv))
-            return [(f"{p}.in_proj_qkv.weight", Cut(rows=qkv_rows)),
-                    (f"{p}.in_proj_z.weight", Cut(rows=_grouped(nk, blk, 2 * dk + r * dv, blk)))]
-
-        def ba(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
-            p = m.group("P")
-            return [(f"{p}.in_proj_b.weight", Cut(rows=_grouped(nk, 2 * r, 0, r))),
-                    (f"{p}.in_proj_a.weight", Cut(rows=_grouped(nk, 2 * r, r, 2 * r)))]
-
-        rules.append((re.compile(r"(?P<P>.+\.linear_attn)\.in_proj_qkvz\.weight\Z"), qkvz))
-        rules.append((re.compile(r"(?P<P>.+\.linear_attn)\.in_proj_ba\.weight\Z"), ba))
+    rules += _SPLITS.get(family, _no_rules)(dims)
     return rules
+
+
+def _phi3_splits(dims: dict[str, Any]) -> list[tuple[re.Pattern[str], Any]]:
+    """phi3's fused ``qkv_proj`` and ``gate_up_proj`` -> the q/k/v and gate/up projections."""
+    nh, nkv, hd = dims["num_attention_heads"], dims["num_kv_heads"], dims["head_dim"]
+    q, kv = nh * hd, nkv * hd
+
+    def qkv(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
+        p = m.group("P")
+        return [(f"{p}.q_proj.weight", Cut(rows=((0, q),))), (f"{p}.k_proj.weight", Cut(rows=((q, q + kv),))),
+                (f"{p}.v_proj.weight", Cut(rows=((q + kv, q + 2 * kv),)))]
+
+    def gate_up(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
+        p, i = m.group("P"), shape[0] // 2
+        return [(f"{p}.gate_proj.weight", Cut(rows=((0, i),))), (f"{p}.up_proj.weight", Cut(rows=((i, 2 * i),)))]
+
+    return [(re.compile(r"(?P<P>.+\.self_attn)\.qkv_proj\.weight\Z"), qkv),
+            (re.compile(r"(?P<P>.+\.mlp)\.gate_up_proj\.weight\Z"), gate_up)]
+
+
+def _linear_attn_splits(dims: dict[str, Any]) -> list[tuple[re.Pattern[str], Any]]:
+    """qwen3_next's grouped ``in_proj_qkvz`` / ``in_proj_ba`` -> the qwen3_5 layout."""
+    nk, nv = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
+    dk, dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
+    r = nv // nk  # value heads per key-head group
+    blk = 2 * dk + 2 * r * dv
+
+    def qkvz(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
+        p = m.group("P")
+        qkv_rows = (_grouped(nk, blk, 0, dk) + _grouped(nk, blk, dk, 2 * dk)
+                    + _grouped(nk, blk, 2 * dk, 2 * dk + r * dv))
+        return [(f"{p}.in_proj_qkv.weight", Cut(rows=qkv_rows)),
+                (f"{p}.in_proj_z.weight", Cut(rows=_grouped(nk, blk, 2 * dk + r * dv, blk)))]
+
+    def ba(m: re.Match[str], shape: tuple[int, ...]) -> list[tuple[str, Cut]]:
+        p = m.group("P")
+        return [(f"{p}.in_proj_b.weight", Cut(rows=_grouped(nk, 2 * r, 0, r))),
+                (f"{p}.in_proj_a.weight", Cut(rows=_grouped(nk, 2 * r, r, 2 * r)))]
+
+    return [(re.compile(r"(?P<P>.+\.linear_attn)\.in_proj_qkvz\.weight\Z"), qkvz),
+            (re.compile(r"(?P<P>.+\.linear_attn)\.in_proj_ba\.weight\Z"), ba)]
+
+
+def _no_rules(dims: dict[str, Any]) -> list[tuple[re.Pattern[str], Any]]:
+    return []
 
 
 # ----------------------------------------------------------------------------------- fusion (export)
@@ -253,37 +264,7 @@ class Fuse:
 def fuse_groups(family: str, names: Iterable[str], shapes: dict[str, tuple[int, ...]],
                 dims: dict[str, Any]) -> list[Fuse]:
     """The fused HF tensors transformers expects for ``family`` (the inverse of the splits)."""
-    names = list(names)
-    out: list[Fuse] = []
-    if family == "phi3":
-        for n in names:
-            m = re.fullmatch(r"(.+\.self_attn)\.q_proj\.weight", n)
-            if m:
-                p = m.group(1)
-                parts = (f"{p}.q_proj.weight", f"{p}.k_proj.weight", f"{p}.v_proj.weight")
-                out.append(_concat(f"{p}.qkv_proj.weight", parts, shapes))
-            m = re.fullmatch(r"(.+\.mlp)\.gate_proj\.weight", n)
-            if m:
-                p = m.group(1)
-                out.append(_concat(f"{p}.gate_up_proj.weight", (f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
-                                   shapes))
-    if family == "qwen3_next":
-        nk, nv = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
-        dk, dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
-        r = nv // nk
-        blk = 2 * dk + 2 * r * dv
-        for n in names:
-            m = re.fullmatch(r"(.+\.linear_attn)\.in_proj_qkv\.weight", n)
-            if not m:
-                continue
-            p = m.group(1)
-            qkv_rows = (_grouped(nk, blk, 0, dk) + _grouped(nk, blk, dk, 2 * dk)
-                        + _grouped(nk, blk, 2 * dk, 2 * dk + r * dv))
-            out.append(Fuse(f"{p}.in_proj_qkvz.weight", (f"{p}.in_proj_qkv.weight", f"{p}.in_proj_z.weight"),
-                            (qkv_rows, _grouped(nk, blk, 2 * dk + r * dv, blk))))
-            out.append(Fuse(f"{p}.in_proj_ba.weight", (f"{p}.in_proj_b.weight", f"{p}.in_proj_a.weight"),
-                            (_grouped(nk, 2 * r, 0, r), _grouped(nk, 2 * r, r, 2 * r))))
-    return out
+    return _FUSES.get(family, _no_fuses)(list(names), shapes, dims)
 
 
 def _concat(name: str, parts: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> Fuse:
@@ -293,6 +274,55 @@ def _concat(name: str, parts: tuple[str, ...], shapes: dict[str, tuple[int, ...]
         rows.append(((at, at + n),))
         at += n
     return Fuse(name, parts, tuple(rows))
+
+
+def _phi3_fuses(names: list[str], shapes: dict[str, tuple[int, ...]], dims: dict[str, Any]) -> list[Fuse]:
+    """q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj`` (the inverse of :func:`_phi3_splits`)."""
+    out: list[Fuse] = []
+    for n in names:
+        m = re.fullmatch(r"(.+\.self_attn)\.q_proj\.weight", n)
+        if m:
+            p = m.group(1)
+            parts = (f"{p}.q_proj.weight", f"{p}.k_proj.weight", f"{p}.v_proj.weight")
+            out.append(_concat(f"{p}.qkv_proj.weight", parts, shapes))
+        m = re.fullmatch(r"(.+\.mlp)\.gate_proj\.weight", n)
+        if m:
+            p = m.group(1)
+            out.append(_concat(f"{p}.gate_up_proj.weight", (f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
+                               shapes))
+    return out
+
+
+def _linear_attn_fuses(names: list[str], shapes: dict[str, tuple[int, ...]], dims: dict[str, Any]) -> list[Fuse]:
+    """The grouped ``in_proj_qkvz`` / ``in_proj_ba`` again (the inverse of :func:`_linear_attn_splits`)."""
+    out: list[Fuse] = []
+    nk, nv = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
+    dk, dv = dims["linear_key_head_dim"], dims["linear_value_head_dim"]
+    r = nv // nk
+    blk = 2 * dk + 2 * r * dv
+    for n in names:
+        m = re.fullmatch(r"(.+\.linear_attn)\.in_proj_qkv\.weight", n)
+        if not m:
+            continue
+        p = m.group(1)
+        qkv_rows = (_grouped(nk, blk, 0, dk) + _grouped(nk, blk, dk, 2 * dk)
+                    + _grouped(nk, blk, 2 * dk, 2 * dk + r * dv))
+        out.append(Fuse(f"{p}.in_proj_qkvz.weight", (f"{p}.in_proj_qkv.weight", f"{p}.in_proj_z.weight"),
+                        (qkv_rows, _grouped(nk, blk, 2 * dk + r * dv, blk))))
+        out.append(Fuse(f"{p}.in_proj_ba.weight", (f"{p}.in_proj_b.weight", f"{p}.in_proj_a.weight"),
+                        (_grouped(nk, 2 * r, 0, r), _grouped(nk, 2 * r, r, 2 * r))))
+    return out
+
+
+def _no_fuses(names: list[str], shapes: dict[str, tuple[int, ...]], dims: dict[str, Any]) -> list[Fuse]:
+    return []
+
+
+# Name family (Profile.family) -> its fused tensors: split on convert, fused again on export.
+_SPLITS: dict[str, Callable[[dict[str, Any]], list[tuple[re.Pattern[str], Any]]]] = {
+    "phi3": _phi3_splits, "qwen3_next": _linear_attn_splits}
+_FUSES: dict[str, Callable[[list[str], dict[str, tuple[int, ...]], dict[str, Any]], list[Fuse]]] = {
+    "phi3": _phi3_fuses, "qwen3_next": _linear_attn_fuses}
 
 
 # ----------------------------------------------------------------------------------- ordering
