@@ -297,7 +297,8 @@ def test_requant_in_place_eio_midway_keeps_the_old_file(tmp_path: Path, hf_model
 
 
 @pytest.mark.slow
-def test_faults_at_every_fortieth_of_the_writes(tmp_path: Path, hf_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_faults_at_every_fortieth_of_the_writes(tmp_path: Path, hf_model: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The long variant of the two tests above: EIO at 40 points of ``requant --in-place`` and
     ENOSPC at 40 points of a shard set written over a set, each leaving the old bytes."""
     from cmf.convert import convert

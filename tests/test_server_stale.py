@@ -123,7 +123,8 @@ def _free_port() -> int:
 def _stream_lines(port: int, out: list[bytes], started) -> None:  # noqa: ANN001
     body = {"prompt": "a", "max_tokens": 4000, "stream": True, "temperature": 1.0, "ignore_eos": True}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     while True:
         line = r.readline()

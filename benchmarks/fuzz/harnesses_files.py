@@ -2,11 +2,14 @@
 import with dequantization, ``skill add``. Same contract as :mod:`harnesses`: ``one(data)``
 returns on success or on the surface's typed refusal (``CmfError``); anything else is a finding.
 
-| harness | surface | extra invariants checked |
-|---|---|---|
-| shards | a shard set split from ``data`` (separator ``SEP``): ``cmf.open`` of its first and last name, ``verify``, tensor reads, ``verify_model`` | none |
-| gguf_import | ``import_gguf`` of a crafted GGUF (Q8_0/Q4_0/K-quant tensors): scan, metadata, tokenizer, dequantize, convert (f32 or q8) | no ``.gguf-import-*`` folder left; a written output verifies |
-| skill_add | ``add_skill`` of a crafted donor onto a fixed base, to a new file or ``--in-place`` | a refused in-place add leaves the base's bytes; no temp file left; a written output verifies |
+- ``shards``: a shard set split from ``data`` at ``SEP``: ``cmf.open`` of its first and last name,
+  ``verify``, tensor reads, ``verify_model``;
+- ``gguf_import``: ``import_gguf`` of a crafted GGUF (Q8_0/Q4_0/K-quant tensors): scan, metadata,
+  tokenizer, dequantize, convert (f32 or q8); no ``.gguf-import-*`` folder may be left, a written
+  output must verify;
+- ``skill_add``: ``add_skill`` of a crafted donor onto a fixed base, to a new file or in place; a
+  refused in-place add must leave the base's bytes, no temp file may be left, a written output
+  must verify.
 """
 
 from __future__ import annotations
