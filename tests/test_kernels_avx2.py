@@ -169,3 +169,31 @@ def test_int8_products_match_the_portable_path_bit_for_bit(tmp_path) -> None:
     assert got[0] == "portable"
     for a, b in zip(here, got[1:]):
         assert np.array_equal(np.array(a, np.float32), np.array(b, np.float32))
+
+
+def test_the_portable_dot_is_vector_code_for_aarch64() -> None:
+    """The portable form, compiled for an ARM CPU (not run): NEON multiply-accumulates on int16
+    lanes, no scalar loop."""
+    import re
+
+    from llvmlite import binding as ll
+    from llvmlite import ir
+
+    ll.initialize_all_targets()
+    ll.initialize_all_asmprinters()
+    try:
+        target = ll.Target.from_triple("aarch64-unknown-linux-gnu")
+    except RuntimeError:
+        pytest.skip("this llvmlite has no AArch64 target")
+    m = ir.Module("portable_dot")
+    m.triple = "aarch64-unknown-linux-gnu"
+    v16, i32, i64 = ir.VectorType(ir.IntType(32), 16), ir.IntType(32), ir.IntType(64)
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [v16.as_pointer(), i32.as_pointer(), v16.as_pointer()]), "dot")
+    b = ir.IRBuilder(fn.append_basic_block())
+    codes = [b.load(b.gep(fn.args[0], [ir.Constant(i64, k)])) for k in range(8)]
+    xs = [b.load(b.gep(fn.args[1], [ir.Constant(i64, k)])) for k in range(8)]
+    b.store(int_dot.group_dot(b, list(zip(codes, xs)), "portable"), fn.args[2])
+    b.ret_void()
+    asm = target.create_target_machine(cpu="neoverse-n1", opt=3).emit_assembly(ll.parse_assembly(str(m)))
+    ops = re.findall(r"^\s+([a-z0-9.]+)\s", asm, re.M)
+    assert ops.count("mla") >= 32 and len(re.findall(r"v\d+\.8h", asm)) > 50
