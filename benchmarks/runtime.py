@@ -3,6 +3,7 @@ the same weights, peak RSS, time to first token, resident pages under a 50% FFN 
 
     python benchmarks/runtime.py [--dir /dev/shm/cmf-bench] [--rounds 3] [--compare-reps 3]
                                  [--dtypes f16,q8,...] [--no-compare] [--quick] [--write]
+                                 [--cpu haswell] [--threads 2]
 
 The model: seeded random Qwen3, hidden 1024, FFN 3072, 12 layers, 16 heads / 8 KV, head_dim 64,
 vocab 32000, untied (benchmarks/convert.py ``qwen3-0.2b``), converted once per dtype. Decode = 64
@@ -16,7 +17,10 @@ against what the host delivered in the same run. ``--compare`` rows come from ``
 --compare`` (cmf.tools.bench_compare): pycmf, transformers and llama.cpp interleaved, medians. TTFT: wall time from
 spawning ``python`` to the first generated token (imports, load, 32-token prefill, argmax),
 with the numba cache warm and with an empty one (``NUMBA_CACHE_DIR`` pointed at a fresh folder).
-``--write`` appends a dated ``### run`` to ``## runtime`` of RESULTS.md.
+``--write`` appends a dated ``### run`` to ``## runtime`` of RESULTS.md. ``--cpu haswell`` adds every
+cell again as ``<dtype>@haswell``, compiled by numba for that CPU's own features (``NUMBA_CPU_NAME=haswell
+NUMBA_CPU_FEATURES=`` with its own ``NUMBA_CACHE_DIR``: what a machine without AVX-512 gets), in the
+same rounds as the native cells.
 """
 
 from __future__ import annotations
@@ -208,9 +212,21 @@ def bytes_per_token(path: Path) -> int:
         return sum(t.nbytes for t in f.tensors() if len(t.shape) == 2 and "embed_tokens" not in t.name)
 
 
+CPU_CACHE = {"dir": Path(tempfile.gettempdir())}  # where the "@cpu" cells keep their numba caches
+
+
 def cell_env(label: str) -> dict:
-    """The child environment of a matrix cell: "+i8" cells run with int8 activations."""
-    return {"CMF_INT8_ACT": "1" if label.endswith("+i8") else "0"}
+    """The child environment of a matrix cell: "+i8" cells run with int8 activations, "@name"
+    cells compile for CPU ``name`` with that CPU's own features (numba pairs a bare
+    NUMBA_CPU_NAME with the host's features, so the empty NUMBA_CPU_FEATURES matters)."""
+    base, _, cpu = label.partition("@")
+    env = {"CMF_INT8_ACT": "1" if base.endswith("+i8") else "0"}
+    if cpu:
+        env.update(NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(CPU_CACHE["dir"] / f"numba-{cpu}"))
+    return env
+
+
+THREADS = (1, 2)
 
 
 def matrix(files: dict[str, Path], rounds: int) -> dict:
@@ -218,12 +234,12 @@ def matrix(files: dict[str, Path], rounds: int) -> dict:
     # numba's cache compiles them in its first process, and its peak RSS then holds LLVM's
     # compilation memory (seen: f16 536 against 483 MiB in the rounds after).
     for q, p in files.items():
-        for t in (1, 2):
+        for t in THREADS:
             worker("bench", p, t, cell_env(q))
     runs: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
         for q, p in files.items():
-            for t in (1, 2):
+            for t in THREADS:
                 runs.setdefault((q, t), []).append(worker("bench", p, t, cell_env(q)))
                 print(f"round {r + 1}: {q} t={t} {runs[(q, t)][-1]}", file=sys.stderr)
     return runs
@@ -247,6 +263,16 @@ def mask_residency(path: Path) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _vs_native(runs: dict, label: str, t: int) -> str:
+    """An "@cpu" cell's decode and prefill medians over its native cell's (same rounds)."""
+    native = label.partition("@")[0]
+    if native == label or (native, t) not in runs:
+        return ""
+    med = {k: [statistics.median(r[f"{m}_tps"] for r in runs[(k, t)]) for m in ("decode", "prefill")]
+           for k in (label, native)}
+    return f"{med[label][0] / med[native][0]:.2f}× / {med[label][1] / med[native][1]:.2f}×"
+
+
 def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> str:
     out = []
     rows = []
@@ -254,7 +280,7 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
     for q, p in files.items():
         bpt = bytes_per_token(p)
         bound = BANDWIDTH / bpt
-        for t in (1, 2):
+        for t in THREADS:
             rs = runs[(q, t)]
             dec = [r["decode_tps"] for r in rs]
             pre = [r["prefill_tps"] for r in rs]
@@ -263,7 +289,7 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
                          f"{statistics.median(dec):.1f} / {max(dec):.1f}",
                          f"{100 * statistics.median(dec) / bound:.0f}%" if t == 2 else "",
                          f"{100 * statistics.median(dec) * bpt / (host * 1e9):.0f}%" if t == 2 else "",
-                         f"{statistics.median(pre):.0f} / {max(pre):.0f}", f"{rss:.0f}"])
+                         f"{statistics.median(pre):.0f} / {max(pre):.0f}", f"{rss:.0f}", _vs_native(runs, q, t)])
     out.append("Decode (tg64 after a 32-token prompt) and prefill (pp512) in t/s, median / best of the rounds; "
                f"bound = 45 GB/s ÷ bytes per token; host = the bandwidth the host delivered to a streaming "
                f"f32 mat-vec (2 threads, 256 MB) in this run: {host_bw[0]['gbps']:.1f} GB/s before the matrix, "
@@ -271,7 +297,7 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
                f"(a vectorized sum) reached {host_bw[0]['raw_gbps']:.1f} and {host_bw[1]['raw_gbps']:.1f} GB/s: "
                f"80% of the bound needs {0.8 * BANDWIDTH / 1e9:.0f} GB/s of weights streamed a token.\n")
     out.append(table(["dtype", "file MiB", "MB/token", "threads", "decode t/s", "of bound", "of host",
-                      "prefill t/s", "peak RSS MB"], rows))
+                      "prefill t/s", "peak RSS MB", "÷ native (decode / prefill)"], rows))
     if compare:
         out.append("\nSame weights, fresh processes interleaved (`cmf bench --compare hf,llama.cpp -t 2`), medians; "
                    "ratios are medians of the rounds' paired ratios (each round runs every engine once, the order "
@@ -321,7 +347,7 @@ def render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss) -> st
         for q, p in files.items():
             if q not in base_rss:
                 continue
-            rs = runs[(q, 2)]
+            rs = runs[(q, max(THREADS))]
             peak = max(r["peak_rss_mb"] for r in rs)
             kv = max(r.get("kv_bytes_512", 0) for r in rs) / 2**20
             bound = (p.stat().st_size / 2**20 + kv) * 1.15
@@ -362,11 +388,18 @@ def main() -> None:
     ap.add_argument("--no-int8", dest="int8", action="store_false",
                     help="skip the int8-activation cells of the 4-bit files (q4, q4t, q4tp, q2tp +i8)")
     ap.add_argument("--write", action="store_true", help="append the run to RESULTS.md (## runtime)")
+    ap.add_argument("--cpu", default="", help="also run every cell compiled for these CPUs (comma-separated "
+                    "LLVM names, e.g. haswell: AVX2 without AVX-512), as <dtype>@<cpu>")
+    ap.add_argument("--threads", default="1,2", help="thread counts of the matrix (default 1,2)")
+    ap.add_argument("--matrix-only", action="store_true", help="only the decode/prefill matrix (no TTFT, mask "
+                    "residency or runtime-RSS runs)")
     ap.add_argument("--wait-idle", type=float, default=120.0,
                     help="before each measured process, wait up to this many seconds for the other processes "
                          "to go quiet (0: never wait)")
     args = ap.parse_args()
     IDLE["max_wait"] = args.wait_idle
+    global THREADS
+    THREADS = tuple(int(t) for t in args.threads.split(","))
     t_start = time.time()
     load0 = os.getloadavg()
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
@@ -377,6 +410,9 @@ def main() -> None:
     files = build(base, model, [d.removesuffix("+i8") for d in dtypes])
     for d in [d for d in dtypes if d.endswith("+i8")] + ([f"{d}+i8" for d in INT8 if d in dtypes] if args.int8 else []):
         files[d] = files[d.removesuffix("+i8")]
+    CPU_CACHE["dir"] = base
+    for cpu in [c.strip() for c in args.cpu.split(",") if c.strip()]:
+        files.update({f"{d}@{cpu}": p for d, p in list(files.items()) if "@" not in d})
     rounds = 1 if args.quick else args.rounds
     bw0 = host_bandwidth()
     runs = matrix(files, rounds)
@@ -389,18 +425,19 @@ def main() -> None:
             compare[q] = run_compare(files[q], ["hf", "llama.cpp", "pycmf-int8"], n_prompt=PREFILL, n_gen=GEN,
                                      reps=1 if args.quick else args.compare_reps, threads=2, before_run=wait_idle)
             print(f"compare {q}: {compare[q]['rows']}", file=sys.stderr)
-    ttft = ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
-    masks = mask_residency(files["q8"]) if "q8" in files and not args.quick else None
+    skip = args.matrix_only
+    ttft = {} if skip else ttft_runs({q: files[q] for q in ("q8", "q4tp", "f16") if q in files}, 1 if args.quick else 3)
+    masks = mask_residency(files["q8"]) if "q8" in files and not (args.quick or skip) else None
     # the runtime's own footprint: the same worker on a 1-layer model (q8 always; with the full
     # run, one per dtype, so each dtype's compiled kernels are counted with it)
     small = QUICK["qwen3-0.2b"] | {"layers": 1, "vocab": 512, "hidden": 64, "inter": 64}
-    kinds = sorted({"q8"} | (set() if args.quick else {d.removesuffix("+i8") for d in files}))
-    tinies = build(base / "tiny", small, kinds)
-    tiny_rss = worker("bench", tinies["q8"], 2)
+    kinds = sorted({"q8"} | (set() if args.quick else {d.partition("@")[0].removesuffix("+i8") for d in files}))
+    tinies = {} if skip else build(base / "tiny", small, kinds)
+    tiny_rss = None if skip else worker("bench", tinies["q8"], 2)
     base_rss = {}
-    if not args.quick:
+    if not (args.quick or skip):
         for d in files:
-            src = d.removesuffix("+i8")
+            src = d.partition("@")[0].removesuffix("+i8")
             base_rss[d] = (tiny_rss if d == "q8" else worker("bench", tinies[src], 2, cell_env(d)))["rss_mb"]
     load1 = os.getloadavg()
     text = render(files, runs, compare, ttft, masks, tiny_rss, host_bw, base_rss)
