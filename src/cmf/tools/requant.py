@@ -382,7 +382,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip tensors whose name matches (repeatable)")
     p.add_argument("--in-place", action="store_true",
-                   help="overwrite the payloads in their slots (refused, with the reason, unless all fit)")
+                   help="recode each payload in its slot, in a copy renamed over the file (refused, with the "
+                        "reason, unless all fit)")
     p.add_argument("--mean-bits", type=float, metavar="N", help="vbit budget in bits per weight (3..8, default 4.25)")
     add_calib_arguments(p)
     add_size_arguments(p)
