@@ -25,8 +25,8 @@ Two ways to write:
   the QUANT_2F feature bit) — the header, and so ``quant_type``, stay as they were, like the
   reference. The slots are patched in a copy of the file made beside it (``copy_file_range``:
   a reflink or an in-kernel copy), which is synced and renamed over the file: a disk that
-  fills, an EIO or a kill at any point leaves the old file as it was and no temporary file
-  (issue 28). It needs free space for one copy of the file (none on a reflinking filesystem);
+  fills or an EIO at any point leaves the old file as it was and no temporary file (issue 28);
+  a kill leaves the old file too, with a dot-named temporary file beside it. It needs free space for one copy of the file (none on a reflinking filesystem);
   a server that has the file mapped keeps serving the old version, as for any rename.
 """
 
