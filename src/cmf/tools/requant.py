@@ -26,7 +26,7 @@ Two ways to write:
   reference. The slots are patched in a copy of the file made beside it (``copy_file_range``:
   a reflink or an in-kernel copy), which is synced and renamed over the file: a disk that
   fills or an EIO at any point leaves the old file as it was and no temporary file (issue 28);
-  a kill leaves the old file too, with a dot-named temporary file beside it. It needs free
+  a kill leaves the old file too, with dot-named temporary files beside it. It needs free
   space for one copy of the file (none on a reflinking filesystem); a server that has the file
   mapped keeps serving the old version, as for any rename.
 """
