@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--llama-bin", metavar="DIR", help="folder with llama.cpp's llama-imatrix and llama-quantize "
                     "(built from source): adds llama.cpp's types quantized with an importance matrix")
     ap.add_argument("--pycmf", default=",".join(PYCMF), help="pycmf profiles, each without and with --calib")
+    ap.add_argument("--no-targets", action="store_true", help="skip the --target-mb files at llama.cpp's sizes")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
@@ -179,8 +180,8 @@ def main() -> None:
                 print(f"llama.cpp {key}: {llama[key][0]:.1f} MB PPL {llama[key][1]:.3f}", file=sys.stderr, flush=True)
     # pycmf at each llama.cpp size that lies between its q2tp and q8 files
     cache: dict = {}
-    lo = min(r[2] for r in rows if r[0] == "pycmf" and r[1].startswith("q2tp"))
-    for ty, (mb, _) in llama.items():
+    lo = min((r[2] for r in rows if r[0] == "pycmf" and r[1].startswith("q2tp")), default=0.0)
+    for ty, (mb, _) in ({} if args.no_targets else llama).items():
         if mb <= lo or ty.endswith(" imatrix") and abs(mb - llama[ty.split()[0]][0]) < 0.05:
             continue  # an imatrix file of the plain one's size needs no second target file
         out = work / f"smol-target-{ty.replace(' ', '-')}.cmf"
