@@ -291,8 +291,8 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                     for p in range(phases):
                         part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
                         codes.append(builder.and_(part, msk))
-                for j in range(pieces):
-                    acc[j][c] = int_dot.group_dot(builder, list(zip(codes, xs[j])), path)
+                for j, tot in enumerate(int_dot.group_dots(builder, codes, xs, path)):
+                    acc[j][c] = tot
             for c in range(4):
                 total = acc[0][c]
                 for j in range(1, pieces):  # S_0·2^14 + S_1·2^7 + S_2: < 2^30 for 4-bit codes
