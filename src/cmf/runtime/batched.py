@@ -26,7 +26,7 @@ import numpy as np
 from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
-from .ops.decode import attend_decode, attends_serially, qk_norm_rope, rms_norm_into, rope_append_attend
+from .ops.decode import attend_decode, attends_serially, norm_into, qk_norm_rope, rope_append_attend
 from .step import AttnStep, FfnStep
 from ..kernels.gemv_batch import BatchGroup
 
@@ -38,12 +38,7 @@ _ROPE_CACHE_MAX = 1 << 14  # (profile, position) → cos/sin entries kept across
 
 def _norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm of each row into a new array (the step's ``norm_into``: a copy when ``w`` is None)."""
-    out = np.empty_like(x)
-    if w is None:
-        out[...] = x
-    else:
-        rms_norm_into(x, w, eps, out)
-    return out
+    return norm_into(x, w, eps, np.empty_like(x))
 
 
 class _LayerOps:

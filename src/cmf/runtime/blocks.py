@@ -19,7 +19,7 @@ from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows, rope_rows
 from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
-from .ops.norm import prepare_norm_weight, rms_norm_prepared
+from .ops.norm import prepare_norm_weight
 from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
 from .step import BlockStep
 from .weights import Weights
@@ -142,7 +142,7 @@ class LatentAttention:
             qa = self.q_a(h)
             if self.q_a_bias is not None:
                 qa += self.q_a_bias
-            q = self.q_b(rms_norm_prepared(qa, self.q_a_norm, self.eps))
+            q = self.q_b(rms_norm_rows(qa, self.q_a_norm, self.eps))
         q = q.reshape(t, a.heads, a.nope_dim + a.rope_dim)
         if a.rope_first:  # interchange layout: [rope | nope] per head (plan_mixers._layout)
             q_rot, q_nope = np.array(q[..., :a.rope_dim], dtype=np.float32), q[..., a.rope_dim:]
@@ -151,7 +151,7 @@ class LatentAttention:
         ckv = self.kv_a(h)
         if self.kv_a_bias is not None:
             ckv += self.kv_a_bias
-        latent = rms_norm_prepared(ckv[:, :a.kv_rank], self.kv_a_norm, self.eps)
+        latent = rms_norm_rows(ckv[:, :a.kv_rank], self.kv_a_norm, self.eps)
         k_rot = np.array(ckv[:, None, a.kv_rank:], dtype=np.float32)
         if a.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)

@@ -25,7 +25,8 @@ from .features import check_runnable
 from .load_checks import moe_keep, verify_or_refuse
 from .memory import EMBED_RELEASE_EVERY, ModelMemory
 from .ops.decode import rms_norm_into
-from .ops.norm import prepare_norm_weight, rms_norm_prepared
+from .ops.norm import prepare_norm_weight
+from .ops.rowwise import rms_norm_rows
 from .plan import ModelPlan, build_plan
 from .router import Router
 from .selection import Selection, UnknownSkill, UnknownTask
@@ -168,11 +169,11 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         cache.pos += t
         if self._final_norm is None:
             return x
-        if t == 1:  # one compiled call (rms_norm_prepared's numpy steps cost ~0.1 ms cold)
+        if t == 1:  # the kernel itself: no row split to set up for one row
             h = np.empty_like(x)
             rms_norm_into(x, self._final_norm, plan.eps, h)
             return h
-        return rms_norm_prepared(x, self._final_norm, plan.eps)
+        return rms_norm_rows(x, self._final_norm, plan.eps)
 
     def project(self, h: np.ndarray) -> np.ndarray:
         """Logits of final-normed hidden states (lm_head, logit multiplier, final soft-cap)."""

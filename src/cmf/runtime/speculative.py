@@ -29,7 +29,8 @@ import numpy as np
 from ..format.errors import CmfError
 from .blocks import Block
 from .cache import Cache, LinearState
-from .ops.norm import prepare_norm_weight, rms_norm_prepared
+from .ops.norm import prepare_norm_weight
+from .ops.rowwise import rms_norm_rows
 from .sampling import Processor, Sampler
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,11 @@ class MtpHead:
         e = self.model.weights.rows(self.embed, np.asarray(tokens, dtype=np.int64))
         if plan.embed_multiplier != 1.0:
             e *= np.float32(plan.embed_multiplier)
-        x = np.concatenate([rms_norm_prepared(e, self.enorm, self.eps),
-                            rms_norm_prepared(np.asarray(hidden, np.float32), self.hnorm, self.eps)], axis=-1)
+        x = np.concatenate([rms_norm_rows(e, self.enorm, self.eps),
+                            rms_norm_rows(np.asarray(hidden, np.float32), self.hnorm, self.eps)], axis=-1)
         x = self.block(self.eh_proj(x), cache.layers[0], cache.pos)
         cache.pos += len(tokens)
-        h = rms_norm_prepared(x, self.norm, self.eps) if self.norm is not None else x
+        h = rms_norm_rows(x, self.norm, self.eps) if self.norm is not None else x
         logits = self._lm(h)
         return h, logits
 

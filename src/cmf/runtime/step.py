@@ -4,8 +4,10 @@ A decoded token costs one pass over the weights plus, per layer, the calls that 
 generic path (``Block.__call__``) allocates every intermediate and runs one parallel region per
 matrix; here a dense layer is seven calls into compiled code — q/k/v in one parallel region,
 q/k norm + RoPE + the KV append + attention in one kernel, o, gate/up with the activation in one
-region, down — writing into buffers that live as long as the layer. Under a task mask on FFN
-neurons the same calls run on the mask's gathered matrices. Features this path does not cover
+region, down — writing into buffers that live as long as the layer. The fused calls compose the
+operator bodies of ``ops/decode.py`` (the RMSNorm and RoPE that blocks of tokens run too, and
+the one-token attention), never copies of them. Under a task mask on FFN neurons the same calls
+run on the mask's gathered matrices. Features this path does not cover
 (output gates, ``g_proj``, MoE, MLA, linear attention) run the generic code for that part only,
 with identical results.
 """
@@ -16,8 +18,8 @@ import numpy as np
 
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
-from .ops.decode import (add_into, add_norm_into, attend_decode, attends_serially, qk_norm_rope, rms_norm_into,
-                         rope_append_attend)
+from .ops.decode import (add_into, add_norm_into, attend_decode, attends_serially, norm_into, qk_norm_rope,
+                         rms_norm_into, rope_append_attend)
 
 _EMPTY = np.zeros(0, np.float32)
 _ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
@@ -32,15 +34,6 @@ def rope_at(profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001
     cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
     _ROPE[id(profile)] = (profile, pos, cos, sin)
     return cos, sin
-
-
-def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:
-    """RMSNorm of x [1, n] into ``out`` (``w`` None: no norm, a copy)."""
-    if w is None:
-        out[...] = x
-    else:
-        rms_norm_into(x, w, eps, out)
-    return out
 
 
 class AttnStep:

@@ -1,10 +1,14 @@
-"""numba kernels of the one-token decode step: RMSNorm into a buffer, q/k norm + RoPE in place,
-and attention of one query over the KV cache.
+"""The runtime's compiled operator bodies: RMSNorm (:func:`rms_norm_into`), RoPE
+(:func:`rope_into`), their per-head composition (:func:`qk_norm_rope`), and attention of one
+query over the KV cache (:func:`attend_one`, :func:`attend_one_par`).
 
-They compute what ``norm.py``, ``rope.py`` and ``attention.py`` compute for T = 1, without the
-numpy temporaries (a few µs each, 12+ times per token). The norm keeps the float64 mean of
-squares and the operation order of :func:`~cmf.runtime.ops.norm.rms_norm_prepared` (no
-fastmath: reassociating ``x·inv·w`` would change the last bit).
+Each body is the only implementation of its operator at run time: the one-token step
+(step.py, batched.py) calls them directly, blocks of tokens through the row-parallel drivers of
+``rowwise.py``, so an operator's values do not depend on T or on the path. ``norm.py`` and
+``rope.py`` keep the numpy references the bodies are tested against, to the bit: the norm sums
+the float64 squares in numpy's pairwise order and keeps the operation order of
+:func:`~cmf.runtime.ops.norm.rms_norm_prepared` (no fastmath: reassociating ``x·inv·w`` would
+change the last bit).
 """
 
 from __future__ import annotations
@@ -27,22 +31,104 @@ _FAST = dict(_EXACT, fastmath={"contract", "nsz", "arcp", "reassoc"})
 PARALLEL_ATTEND = 1 << 19
 
 
+# numpy's pairwise summation (``np.add.reduce`` over contiguous float64): blocks of at most this
+# many elements are summed with eight accumulators, longer spans split in two at a multiple of 8.
+_PAIRWISE_BLOCK = 128
+
+
+@numba.njit(**_EXACT)
+def _leaf_squares(x, lo, n):  # pragma: no cover - compiled
+    """Σ float64(x[i])² over x[lo:lo + n], n ≤ _PAIRWISE_BLOCK, as numpy sums one such block."""
+    if n < 8:
+        acc = 0.0
+        for i in range(lo, lo + n):
+            v = np.float64(x[i])
+            acc += v * v
+        return acc
+    v0, v1, v2, v3 = np.float64(x[lo]), np.float64(x[lo + 1]), np.float64(x[lo + 2]), np.float64(x[lo + 3])
+    v4, v5, v6, v7 = np.float64(x[lo + 4]), np.float64(x[lo + 5]), np.float64(x[lo + 6]), np.float64(x[lo + 7])
+    r0, r1, r2, r3, r4, r5, r6, r7 = v0 * v0, v1 * v1, v2 * v2, v3 * v3, v4 * v4, v5 * v5, v6 * v6, v7 * v7
+    m = lo + n - n % 8
+    i = lo + 8
+    while i < m:
+        v0, v1, v2, v3 = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
+        v4, v5, v6, v7 = np.float64(x[i + 4]), np.float64(x[i + 5]), np.float64(x[i + 6]), np.float64(x[i + 7])
+        r0 += v0 * v0
+        r1 += v1 * v1
+        r2 += v2 * v2
+        r3 += v3 * v3
+        r4 += v4 * v4
+        r5 += v5 * v5
+        r6 += v6 * v6
+        r7 += v7 * v7
+        i += 8
+    acc = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for j in range(m, lo + n):
+        v = np.float64(x[j])
+        acc += v * v
+    return acc
+
+
+@numba.njit(**_EXACT)
+def _sum_squares(x, n):  # pragma: no cover - compiled
+    """Σ float64(x[i])² over x[:n] in the order numpy's pairwise sum adds them.
+
+    The squares are exact in float64, so only the order of the additions can differ; this is
+    numpy's order, hence the mean of squares of ``norm.rms_norm_prepared`` to the bit (and eight
+    independent accumulators: the sum runs at throughput, not at add latency). numpy recurses;
+    this walks the same tree with an explicit stack, because numba's on-disk cache cannot reload
+    a recursive function (the process crashed on the second run)."""
+    if n <= _PAIRWISE_BLOCK:
+        return _leaf_squares(x, 0, n)
+    # post-order walk: a node is (lo, n); n = -1 marks "add the last two sums"
+    lo_st = np.empty(130, np.int64)
+    n_st = np.empty(130, np.int64)
+    vals = np.empty(66, np.float64)
+    lo_st[0], n_st[0] = 0, n
+    sp, vp = 1, 0
+    while sp > 0:
+        sp -= 1
+        lo, m = lo_st[sp], n_st[sp]
+        if m < 0:
+            vp -= 1
+            vals[vp - 1] = vals[vp - 1] + vals[vp]
+        elif m <= _PAIRWISE_BLOCK:
+            vals[vp] = _leaf_squares(x, lo, m)
+            vp += 1
+        else:
+            half = m // 2
+            half -= half % 8
+            n_st[sp] = -1  # combine after both halves; the left half is summed first
+            lo_st[sp + 1], n_st[sp + 1] = lo + half, m - half
+            lo_st[sp + 2], n_st[sp + 2] = lo, half
+            sp += 3
+    return vals[0]
+
+
 @numba.njit(**_EXACT)
 def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
-    """out[r] = x[r] · f32(1/sqrt(mean(x[r]²) + eps)) · w for each row of x [T, n] (w may be empty)."""
+    """out[r] = x[r] · f32(1/sqrt(mean(x[r]²) + eps)) · w for each row of x [T, n] (w may be empty):
+    the runtime's one RMSNorm (every norm of a layer at any T, the final norm, MLA's latent norms,
+    the MTP head), the values of ``norm.rms_norm_prepared`` to the bit."""
     T, n = x.shape
     for t in range(T):
-        acc = 0.0
-        for i in range(n):
-            v = np.float64(x[t, i])
-            acc += v * v
-        inv = np.float32(1.0 / math.sqrt(acc / n + eps))
+        inv = np.float32(1.0 / math.sqrt(_sum_squares(x[t], n) / n + eps))
         if w.shape[0]:
             for i in range(n):
                 out[t, i] = (x[t, i] * inv) * w[i]
         else:
             for i in range(n):
                 out[t, i] = x[t, i] * inv
+
+
+def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:
+    """RMSNorm of x [T, n] into ``out`` with :func:`rms_norm_into` (``w`` None: the layer has no
+    such norm, a copy); the one-token step's and the batched step's norms."""
+    if w is None:
+        out[...] = x
+    else:
+        rms_norm_into(x, w, eps, out)
+    return out
 
 
 @numba.njit(**_EXACT)

@@ -1,14 +1,11 @@
-"""RMSNorm in the two styles of the format (spec §2 ``norm_style``), numpy form.
+"""RMSNorm in the two styles of the format (spec §2 ``norm_style``): the weight folding done at
+load, and the numpy reference.
 
-The decoder layers do not run this module: every layer's norms — the one-token step (step.py,
-batched.py) and blocks of tokens (``rowwise.rms_norm_rows``, blocks.py) — go through one kernel,
-``ops/decode.rms_norm_into``, so a layer's norm has the same bits at any T. Two implementations
-remain on purpose. :func:`rms_norm_prepared` here is the numpy oracle the kernels are tested
-against, and it still serves the final norm of a block of tokens (model.py), MLA's latent norms
-(blocks.py) and the MTP head (speculative.py). ``np.mean`` sums the float64 squares pairwise, the
-kernel sequentially: the float64 means differ in their last bits, and in rare rows the float32
-scale ``1/√(ms + eps)`` then differs by one ulp (the tests allow two). Moving those callers to the
-kernel would change prefill logits, MLA and MTP outputs at that level, so they stay (issue 27).
+The runtime does not normalise with this module: every RMSNorm — a layer's norms at any T, the
+final norm (model.py), MLA's latent norms (blocks.py), the MTP head (speculative.py) — runs one
+kernel, ``ops/decode.rms_norm_into`` (blocks of tokens through ``rowwise.rms_norm_rows``).
+:func:`rms_norm_prepared` is the reference it is tested equal to, bit for bit: the kernel adds
+the float64 squares in the order ``np.mean`` does (numpy's pairwise sum).
 (``gdn.gated_rms_norm`` is a different operator: a silu gate, the stored weight as is.)
 """
 

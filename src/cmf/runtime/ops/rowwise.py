@@ -1,9 +1,12 @@
-"""Row-parallel elementwise kernels for blocks of tokens (prefill): RMSNorm, the gated activation,
-and the q/k norm + RoPE of attention.
+"""Row-parallel drivers for blocks of tokens (prefill): RMSNorm, the gated activation, and the
+q/k norm + RoPE of attention.
 
-numpy evaluates ``x / (1 + exp(−x)) · u`` over a [512, 3072] block in five passes with four
-temporaries and a scalar exp per element; these run one pass, 16 lanes wide (kernels/vmath.py),
-rows split across threads. The norm is the same float64-accumulated RMSNorm as ops/norm.py.
+The norm and RoPE here are not implementations of their own: each thread runs the one-token
+step's bodies (``decode.rms_norm_into``, ``decode.qk_norm_rope``, ``decode.rope_into``) over its
+rows, so a token gets the same bits in a block as alone. numpy evaluates
+``x / (1 + exp(−x)) · u`` over a [512, 3072] block in five passes with four temporaries and a
+scalar exp per element; the gated activation runs one pass, 16 lanes wide (kernels/vmath.py),
+rows split across threads.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def rms_norm_rows(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
-    """RMSNorm of each row of x [T, n] (the values of ops.norm.rms_norm_prepared)."""
+    """RMSNorm of each row of x [T, n] into a new array: ``decode.rms_norm_into`` over row ranges
+    (the values of ops.norm.rms_norm_prepared, to the bit)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.shape, np.float32)
     _norm_rows(x, _EMPTY if w is None else w, float(eps), out, _threads(x.size))
