@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--llama-bin", metavar="DIR", help="folder with llama.cpp's llama-imatrix and llama-quantize "
                     "(built from source): adds llama.cpp's types quantized with an importance matrix")
     ap.add_argument("--pycmf", default=",".join(PYCMF), help="pycmf profiles, each without and with --calib")
+    ap.add_argument("--imatrix-only", action="store_true",
+                    help="of llama.cpp's types only the imatrix files (the plain ones measured before on these ids)")
     ap.add_argument("--no-targets", action="store_true", help="skip the --target-mb files at llama.cpp's sizes")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--write", action="store_true")
@@ -146,9 +148,10 @@ def main() -> None:
 
     ours(f32, "f32")
     t = time.time()
-    cal = calib.collect(f32, calib_text, max_tokens=args.calib_tokens)
+    pycmf_profiles = [x for x in args.pycmf.split(",") if x]
+    cal = calib.collect(f32, calib_text, max_tokens=args.calib_tokens) if pycmf_profiles or not args.no_targets else None
     calib_s = time.time() - t
-    for q in [x for x in args.pycmf.split(",") if x]:
+    for q in pycmf_profiles:
         for with_cal in (False, True):
             out = work / f"smol-{q}{'-calib' if with_cal else ''}.cmf"
             requant(f32, out, quant=q, calib=cal if with_cal else None)
@@ -160,7 +163,7 @@ def main() -> None:
         g32 = work / "smol-f32.gguf"
         subprocess.run([sys.executable, "-m", "cmf.cli", "export", str(f32), "--format", "gguf", "--gguf-type", "F32",
                         "-o", str(g32)], check=True, capture_output=True)
-        for ty in types:
+        for ty in ([] if args.imatrix_only else types):
             g = work / f"smol-{ty}.gguf"
             llama_quantize(g32, g, ty)
             llama[ty] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
@@ -203,7 +206,7 @@ def main() -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     entry = (f"### {stamp} — {machine()}\n\n"
              f"SmolLM2-135M-Instruct f32 (imported from the Q4_1 GGUF) as the source; calibration "
-             f"{cal.tokens} tokens of licence texts ({calib_s:.0f} s); evaluation `man bash`, {chunks} windows "
+             f"{cal.tokens if cal else args.calib_tokens} tokens of licence texts ({calib_s:.0f} s); evaluation `man bash`, {chunks} windows "
              f"of {args.window}. llama.cpp {imatrix_note}. {time.time() - t0:.0f} s in all.\n\n"
              f"{body}\n\n" + "\n".join(wins) + "\n")
     print(entry)
