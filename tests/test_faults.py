@@ -92,6 +92,15 @@ def _bytes_written(monkeypatch: pytest.MonkeyPatch, folder: Path, run) -> int:
     return faults.written
 
 
+def _set_bytes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, hdr) -> int:  # noqa: ANN001
+    """Bytes a fresh sharded sample set with header ``hdr`` writes (measured in a scratch folder)."""
+    scratch = tmp_path / "count"
+    scratch.mkdir()
+    total = _bytes_written(monkeypatch, scratch, lambda: write_sample(scratch / "s.cmf", max_shard_bytes=8192, hdr=hdr))
+    shutil.rmtree(scratch)
+    return total
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 0.8, 0.95, 0.999])
 def test_sharded_set_replacement_disk_full_keeps_the_old_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              fraction: float) -> None:
@@ -102,11 +111,7 @@ def test_sharded_set_replacement_disk_full_keeps_the_old_set(tmp_path: Path, mon
     assert len(old) > 3
     before = snapshot(tmp_path)
     newer = header(provenance={"tool": "the replacement"})
-    scratch = tmp_path / "count"
-    scratch.mkdir()
-    total = _bytes_written(monkeypatch, scratch, lambda: write_sample(scratch / "s.cmf", max_shard_bytes=8192,
-                                                                      hdr=newer))
-    shutil.rmtree(scratch)
+    total = _set_bytes(monkeypatch, tmp_path, newer)
     faults = Faults(monkeypatch, tmp_path, budget=int(total * fraction))
     with pytest.raises(IoError, match="no space left on the device") as ei:
         write_sample(out, max_shard_bytes=8192, hdr=newer)
@@ -310,11 +315,7 @@ def test_faults_at_every_fortieth_of_the_writes(tmp_path: Path, hf_model: Path,
     out = tmp_path / "s.cmf"
     write_sample(out, max_shard_bytes=8192)
     newer = header(provenance={"tool": "the replacement"})
-    scratch = tmp_path / "count"
-    scratch.mkdir()
-    set_total = _bytes_written(monkeypatch, scratch, lambda: write_sample(scratch / "s.cmf", max_shard_bytes=8192,
-                                                                          hdr=newer))
-    shutil.rmtree(scratch)
+    set_total = _set_bytes(monkeypatch, tmp_path, newer)
     before = snapshot(tmp_path)
     for i in range(40):
         Faults(monkeypatch, tmp_path, budget=total * i // 40, err=errno.EIO)
