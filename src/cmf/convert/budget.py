@@ -53,6 +53,23 @@ class BudgetPlan:
                 "matrices": counts, "predicted_loss": round(self.loss, 6)}
 
 
+def movable(name: str, shape: tuple[int, ...], dtype: str) -> bool:
+    """Whether a budget may move this matrix along the ladder: a policy ladder dtype, whole groups
+    of 32 inputs, not the token table / output head, not an expert-id table."""
+    from .policy import TOKEN_TABLE
+
+    return (len(shape) == 2 and dtype in MOVABLE and shape[1] % 32 == 0 and not TOKEN_TABLE.search(name)
+            and not name.endswith(".tid2eid"))
+
+
+def worst_padding(payload_bytes) -> int:  # noqa: ANN001 - an iterable of payload sizes
+    """The most alignment padding payloads of these sizes can take (spec §4: 4096 for 16 KiB and
+    more, 64 below)."""
+    from ..format.constants import LARGE_TENSOR_ALIGN, TENSOR_ALIGN
+
+    return sum(LARGE_TENSOR_ALIGN - 1 if n >= 16384 else TENSOR_ALIGN - 1 for n in payload_bytes)
+
+
 def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int) -> int:
     """The budget in bytes from ``--target-mb`` (10^6 bytes) or ``--bpw`` (bits per weight)."""
     if (target_mb is None) == (bpw is None):
@@ -165,16 +182,14 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
     table, not a precision-critical one) with whole groups of 32 inputs."""
     from .. import quant as _quant
-    from .policy import TOKEN_TABLE, Choice
+    from .policy import Choice
 
     fixed = 0
     items = []
     for t in f.tensors():
         shape = tuple(t.shape)
         choice = policy.choose(t.name, shape) if len(shape) == 2 else None
-        movable = (choice is not None and selected(t.name) and choice.dtype in MOVABLE and shape[1] % 32 == 0
-                   and not TOKEN_TABLE.search(t.name) and not t.name.endswith(".tid2eid"))
-        if movable:
+        if choice is not None and selected(t.name) and movable(t.name, shape, choice.dtype):
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
             continue
         if choice is None or not selected(t.name) or choice.dtype == t.dtype.label or choice.reason in (
@@ -192,7 +207,7 @@ def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.
     (with room for the budget summary it gains), directory and vocab exactly as the writer lays
     them out, and every payload's worst-case alignment padding (4096 for payloads that may reach
     16 KiB, 64 below; spec §4)."""
-    from ..format.constants import DATA_ALIGN, LARGE_TENSOR_ALIGN, TENSOR_ALIGN
+    from ..format.constants import DATA_ALIGN
     from ..format.directory import encode_directory
     from ..format.envelope import ENVELOPE_SIZE
     from ..format.header import serialize_header
@@ -203,16 +218,7 @@ def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.
                                  [0] * len(items), [0] * len(items), [0] * len(items)))
     head = -(-head // DATA_ALIGN) * DATA_ALIGN
     vocab = len(plan.tokenizer.tokenizer_json or b"")
-    pad = sum(LARGE_TENSOR_ALIGN - 1 if i.name in movable or i.out_bytes >= 16384 else TENSOR_ALIGN - 1
-              for i in items)
-    return head + vocab + pad
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return head + vocab + worst_padding(16384 if i.name in movable else i.out_bytes for i in items)
 
 
 def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN001 - a convert.hf.Plan
@@ -221,23 +227,21 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
     movable matrix of a conversion plan so the whole output file fits, before anything is
     written. The plan's calibration (if attached) predicts each candidate's loss; the items'
     choices, size estimates and the header's provenance are updated in place."""
-    from .policy import TOKEN_TABLE, Choice
+    from .. import quant as _quant
+    from .policy import Choice
 
     if plan.shard_max_bytes is not None:
         raise ConvertError("--target-mb/--bpw bound one file; they cannot be combined with --shard-max-gb")
-    total = sum(_numel(i.shape) for i in plan.items)
-    movable = [i for i in plan.items
-               if len(i.shape) == 2 and i.choice.dtype in MOVABLE and i.choice.reason in ("quant", "attn-quant")
-               and i.shape[1] % 32 == 0 and not TOKEN_TABLE.search(i.name) and not i.name.endswith(".tid2eid")]
-    names = {i.name for i in movable}
+    total = sum(int(np.prod(i.shape, dtype=np.int64)) for i in plan.items)
+    moved = [i for i in plan.items
+             if i.choice.reason in ("quant", "attn-quant") and movable(i.name, tuple(i.shape), i.choice.dtype)]
+    names = {i.name for i in moved}
     budget = target_bytes(target_mb, bpw, total) - _plan_overhead(plan, names)
     fixed = sum(i.out_bytes for i in plan.items if i.name not in names)
     items = [(i.name, (lambda i=i: np.asarray(plan.checkpoint.read(i.source, i.cut), np.float32)), i.choice.options)
-             for i in movable]
+             for i in moved]
     bplan = plan_budget(items, fixed, budget, plan.calibration, progress)
-    from .. import quant as _quant
-
-    for i in movable:
+    for i in moved:
         dtype = bplan.choice[i.name]
         i.choice = Choice(dtype, {}, "budget")
         i.out_bytes = int(_quant.get_codec(dtype).expected_nbytes(tuple(i.shape)))

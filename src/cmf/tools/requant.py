@@ -165,12 +165,11 @@ def _file_overhead(f) -> int:  # noqa: ANN001 - a CmfFile
     """Bytes of a rewrite of ``f`` that are not tensor payloads, at most: its own header, vocab,
     masks and directory, plus the worst-case alignment padding of every payload (4096 for those
     of 16 KiB and more, 64 below; spec §4): --target-mb / --bpw then bound the whole file."""
-    from ..format.constants import LARGE_TENSOR_ALIGN, TENSOR_ALIGN
+    from ..convert.budget import worst_padding
 
     tensors = list(f.tensors())
     own = sum(p.stat().st_size for p in f.paths) - sum(t.nbytes for t in tensors)
-    pad = sum(LARGE_TENSOR_ALIGN - 1 if t.nbytes >= 16384 else TENSOR_ALIGN - 1 for t in tensors)
-    return max(own, 0) + pad
+    return max(own, 0) + worst_padding(t.nbytes for t in tensors)
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
