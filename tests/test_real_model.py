@@ -271,15 +271,16 @@ def test_default_quant_perplexity_within_bound_of_f32(files, f32):
     assert ref < got < 1.3 * ref, (ref, got)
 
 
-@pytest.mark.slow
 def test_calibrated_q4tp_keeps_the_greedy_reply(files, f32, tmp_path):
-    """q4tp with --calib (16k tokens of licence texts) decodes f32's greedy reply to the factual
-    question, end of turn included; the plain q4tp file does not (docs/QUANT.md, greedy check)."""
+    """q4tp with --calib (2,048 tokens of licence texts, ~70 s on 2 cores) decodes f32's greedy
+    reply to the factual question, end of turn included. The plain q4tp file answers "The capital
+    of France is Paris, France.": it leaves f32's reply at the token where f32's own margin is
+    0.30 nats (docs/QUANT.md, greedy check)."""
     from cmf.runtime.generate import prompt_ids_for
     from cmf.tools.requant import requant
 
     out = tmp_path / "q4tp-calib.cmf"
-    requant(files["f32"], out, quant="q4tp", calib=_licences(tmp_path), calib_tokens=16384)
+    requant(files["f32"], out, quant="q4tp", calib=_licences(tmp_path), calib_tokens=2048)
     prompt = prompt_ids_for(f32, [{"role": "user", "content": QUESTIONS[0]}])
     ref = _greedy(f32, prompt, 16)
     with cmf.load(out) as m:
