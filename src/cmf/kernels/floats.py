@@ -18,6 +18,7 @@ from . import gemm
 from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
+from .dot_ir import dot1, dot4
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -37,38 +38,12 @@ def half_rows(w, kind, X, Y, rows, i0, i1):  # pragma: no cover - compiled
     while i + 4 <= i1:
         wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            b = np.float32(0)
-            c = np.float32(0)
-            d = np.float32(0)
-            if kind == F16:
-                for k in range(n):
-                    xk = x[k]
-                    a += f16_to_f32(wa[k]) * xk
-                    b += f16_to_f32(wb[k]) * xk
-                    c += f16_to_f32(wc[k]) * xk
-                    d += f16_to_f32(wd[k]) * xk
-            else:
-                for k in range(n):
-                    xk = x[k]
-                    a += bf16_to_f32(wa[k]) * xk
-                    b += bf16_to_f32(wb[k]) * xk
-                    c += bf16_to_f32(wc[k]) * xk
-                    d += bf16_to_f32(wd[k]) * xk
-            Y[t, i] = a
-            Y[t, i + 1] = b
-            Y[t, i + 2] = c
-            Y[t, i + 3] = d
+            Y[t, i], Y[t, i + 1], Y[t, i + 2], Y[t, i + 3] = dot4(wa, wb, wc, wd, X[t], kind)
         i += 4
     while i < i1:
         wr = w[rows[i]]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            for k in range(n):
-                a += _cvt(wr[k], kind) * x[k]
-            Y[t, i] = a
+            Y[t, i] = dot1(wr, X[t], kind)
         i += 1
 
 
@@ -89,29 +64,12 @@ def f32_rows(w, X, Y, rows, i0, i1):  # pragma: no cover - compiled
     while i + 4 <= i1:
         wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            b = np.float32(0)
-            c = np.float32(0)
-            d = np.float32(0)
-            for k in range(n):
-                xk = x[k]
-                a += wa[k] * xk
-                b += wb[k] * xk
-                c += wc[k] * xk
-                d += wd[k] * xk
-            Y[t, i] = a
-            Y[t, i + 1] = b
-            Y[t, i + 2] = c
-            Y[t, i + 3] = d
+            Y[t, i], Y[t, i + 1], Y[t, i + 2], Y[t, i + 3] = dot4(wa, wb, wc, wd, X[t], F32)
         i += 4
     while i < i1:
         wr = w[rows[i]]
         for t in range(T):
-            a = np.float32(0)
-            for k in range(n):
-                a += wr[k] * X[t, k]
-            Y[t, i] = a
+            Y[t, i] = dot1(wr, X[t], F32)
         i += 1
 
 

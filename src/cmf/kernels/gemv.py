@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 from . import _jit
-from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, bf16_to_f32, f16_to_f32, int8_f32, threads
+from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, threads
 from ._jit import chunk as _chunk
 from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
 from .q4 import _tail_rows, tiles_run
 from .tiled import TiledLinear
+from .dot_ir import dot1, dot4
 from .xprep import fill_x
 from .q8 import Q8Linear, _fold
 from .q1 import Q1Linear, q1_rows
@@ -53,48 +53,10 @@ def _act_chunk(Y, width, act, nt, j):  # pragma: no cover - compiled
         apply_act(Y, width, act, r0, r1)
 
 
-def _cvt(v, kind):  # noqa: ANN001, ANN202 - typed by the overload below
-    """A stored weight as float32: int8, f32, or f16/bf16 bits (kind 1 / 2)."""
-
-
-@overload(_cvt, inline="always")
-def _cvt_impl(v, kind):  # noqa: ANN001, ANN202 - chosen by the weight type at compile time
-    if v == types.int8:
-        return lambda v, kind: int8_f32(v)
-    if v == types.uint16:
-        def half(v, kind):  # noqa: ANN001, ANN202
-            if kind == 1:
-                return f16_to_f32(v)
-            return bf16_to_f32(v)
-        return half
-    return lambda v, kind: v
-
-
-@numba.njit(inline="always")
-def _dot4_loop(wa, wb, wc, wd, kind, x):  # pragma: no cover - compiled
-    a = np.float32(0)
-    b = np.float32(0)
-    c = np.float32(0)
-    d = np.float32(0)
-    for k in range(x.shape[0]):
-        xk = x[k]
-        a += _cvt(wa[k], kind) * xk
-        b += _cvt(wb[k], kind) * xk
-        c += _cvt(wc[k], kind) * xk
-        d += _cvt(wd[k], kind) * xk
-    return a, b, c, d
-
-
 @numba.njit(inline="always")
 def _dot4(w, kind, ra, rb, rc, rd, x):  # pragma: no cover - compiled
-    """Four rows · x, each x load shared by the four rows. f16 and bf16 get a loop each, so the
-    conversion is not a branch inside the loop."""
-    wa, wb, wc, wd = w[ra], w[rb], w[rc], w[rd]
-    if kind == 1:
-        return _dot4_loop(wa, wb, wc, wd, 1, x)
-    if kind == 2:
-        return _dot4_loop(wa, wb, wc, wd, 2, x)
-    return _dot4_loop(wa, wb, wc, wd, 0, x)
+    """Four rows · x, each x load shared by the four rows (``dot_ir.dot4``'s summation order)."""
+    return dot4(w[ra], w[rb], w[rc], w[rd], x, kind)
 
 
 @numba.njit(**SERIAL)
@@ -121,10 +83,7 @@ def spread_rows(w, kind, s, x, y, r0, r1):  # pragma: no cover - compiled
         y[ra + 2 * L] = c
         y[ra + 3 * L] = d
     for r in range(r0 + 4 * L, r1):
-        wr = w[r]
-        a = np.float32(0)
-        for k in range(x.shape[0]):
-            a += _cvt(wr[k], kind) * x[k]
+        a = dot1(w[r], x, kind)
         y[r] = a * s[r] if scaled else a
 
 

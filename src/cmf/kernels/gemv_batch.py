@@ -7,7 +7,8 @@ group of four rows (a quarter of the chunk apart, so the prefetchers see four lo
 computes the dot products with all B inputs while the rows sit in L1. Each (row, input) sum is
 the one-token kernel's ``_dot4`` on the same data, so a sequence's products are bit-for-bit those
 it gets alone, whatever else is in the batch. The paired kernel (``dot_ir.dot22``) converts each
-weight block once for two inputs, with the same summation spelled out in IR; a group uses it from
+weight block once for two inputs, in the same summation order (``dot_ir``: one order written in IR
+for every kernel and CPU); a group uses it from
 ``PAIRED_MIN_T`` inputs on (below, the weight stream bounds the step and the plain kernel's four
 rows in flight keep more of it going) after checking, once, that it reproduces the one-token
 products exactly on this CPU (2 cores, 16 inputs: 15% less time per pass than the plain one). q8,
@@ -27,8 +28,8 @@ import os
 from . import _jit
 from ._jit import PARALLEL, SERIAL
 from ._jit import chunk as _chunk
-from .dot_ir import dot22
-from .gemv import NO_ACT, MatvecGroup, _cvt, _dot4
+from .dot_ir import dot1, dot22
+from .gemv import NO_ACT, MatvecGroup, _dot4
 from .q8 import _fold
 from .vmath import gated
 
@@ -64,12 +65,8 @@ def spread_rows_batch(w, kind, s, X, Y, r0, r1):  # pragma: no cover - compiled
             Y[t, ra + 2 * L] = c
             Y[t, ra + 3 * L] = d
     for r in range(r0 + 4 * L, r1):
-        wr = w[r]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            for k in range(x.shape[0]):
-                a += _cvt(wr[k], kind) * x[k]
+            a = dot1(w[r], X[t], kind)
             Y[t, r] = a * s[r] if scaled else a
 
 
@@ -189,10 +186,11 @@ class BatchGroup:
             rows_group_batch_serial(*g._tup, X, Y, g._offs, g.act, g.width, paired)
 
     def _paired_matches(self, nt: int) -> bool:
-        """Whether the paired kernel gives this group's one-token results bit for bit (its IR
-        spells out the summation LLVM chose for the one-token loop on common x86 targets; on
-        another target the plain kernel runs). Checked once, on random vectors: the order of a
-        float sum does not depend on the values, so one mismatch-free product settles it."""
+        """Whether the paired kernel gives this group's one-token results bit for bit. Both run
+        ``dot_ir``'s one summation order, so this is a guard (a CPU without FMA, a future kernel
+        change), not a search: checked once, on random vectors (the order of a float sum does not
+        depend on the values, so one mismatch-free product settles it); on a mismatch the plain
+        kernel runs."""
         if not PAIRED:
             return False
         g = self.group

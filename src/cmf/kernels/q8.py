@@ -18,6 +18,7 @@ from . import gemm
 from ._jit import PARALLEL, SERIAL, int8_f32, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
+from .dot_ir import dot1, dot4
 
 
 @numba.njit(**SERIAL)
@@ -29,17 +30,7 @@ def q8_rows(q, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
         ra, rb, rc, rd = rows[i], rows[i + 1], rows[i + 2], rows[i + 3]
         qa, qb, qc, qd = q[ra], q[rb], q[rc], q[rd]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            b = np.float32(0)
-            c = np.float32(0)
-            d = np.float32(0)
-            for k in range(n):
-                xk = x[k]
-                a += int8_f32(qa[k]) * xk
-                b += int8_f32(qb[k]) * xk
-                c += int8_f32(qc[k]) * xk
-                d += int8_f32(qd[k]) * xk
+            a, b, c, d = dot4(qa, qb, qc, qd, X[t], 0)
             Y[t, i] = a * s[ra]
             Y[t, i + 1] = b * s[rb]
             Y[t, i + 2] = c * s[rc]
@@ -49,11 +40,7 @@ def q8_rows(q, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
         r = rows[i]
         qr = q[r]
         for t in range(T):
-            x = X[t]
-            a = np.float32(0)
-            for k in range(n):
-                a += int8_f32(qr[k]) * x[k]
-            Y[t, i] = a * s[r]
+            Y[t, i] = dot1(qr, X[t], 0) * s[r]
         i += 1
 
 
