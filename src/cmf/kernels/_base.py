@@ -53,6 +53,18 @@ class FusedLinear:
     # whatever the batch size, so that a row's result never depends on the other rows of the
     # batch and equals the one-token MatvecGroup's (the server's decode batch relies on it).
     rows_exact = False
+    DTYPES: tuple = ()  # the stored dtypes this family runs (set by registry.family)
+
+    @classmethod
+    def accepts(cls, dtype, shape: tuple[int, ...]) -> bool:  # noqa: ANN001 - a Dtype
+        """Whether this family runs a stored matrix of this dtype and shape (default: any)."""
+        return True
+
+    @property
+    def group_family(self) -> str | None:
+        """The compiled group kernel of ``gemv.MatvecGroup`` that takes this op (ops of one
+        family share a parallel region); None: it runs through its own product."""
+        return None
 
     def __init__(self, tensor) -> None:  # noqa: ANN001 - a cmf QTensor
         if len(tensor.shape) != 2:

@@ -19,6 +19,7 @@ from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threa
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .dot_ir import dot1, dot4
+from .registry import family
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -101,8 +102,11 @@ def half_dequant_par(w, kind, rows, out, nt):  # pragma: no cover - compiled
         half_dequant(w, kind, rows[i0:i1], out[i0:i1])
 
 
+@family(Dtype.F32)
 class F32Linear(FusedLinear):
     """f32: BLAS on the zero-copy view of the mapped bytes."""
+
+    group_family = "f32"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
@@ -144,8 +148,13 @@ class F32Linear(FusedLinear):
         np.take(self.w, rows, axis=0, out=out)
 
 
+@family(Dtype.F16, Dtype.BF16)
 class HalfLinear(FusedLinear):
     """f16 / bf16: converted in registers, never widened in memory."""
+
+    @property
+    def group_family(self) -> str:
+        return f"half{self.kind}"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

@@ -22,15 +22,13 @@ from numba import prange
 from . import _jit
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, threads
 from ._jit import chunk as _chunk
-from .floats import F32Linear, HalfLinear
 from .q4 import R as TILE_R
 from .q4 import _tail_rows, tiles_run
-from .tiled import TiledLinear
 from .dot_ir import dot1, dot4
 from .xprep import fill_x
-from .q8 import Q8Linear, _fold
-from .q1 import Q1Linear, q1_rows
-from .vbit import VbitLinear, group_sums, pair_x, vbit_rows
+from .q8 import _fold
+from .q1 import q1_rows
+from .vbit import group_sums, pair_x, vbit_rows
 from .vmath import gated
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu": 2,
@@ -212,22 +210,6 @@ def tiled_group_serial(kinds, planes, scs16, cws, lads, params, exp2tabs, readys
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 
 
-def _family(op) -> str | None:  # noqa: ANN001
-    if isinstance(op, F32Linear):
-        return "f32"
-    if isinstance(op, HalfLinear):
-        return f"half{op.kind}"
-    if isinstance(op, Q8Linear):
-        return "q8"
-    if isinstance(op, TiledLinear):
-        return f"tiled{op.width}"
-    if isinstance(op, VbitLinear):
-        return "vbit"
-    if isinstance(op, Q1Linear) and op.tiled is None:  # q1t runs its tiles (and overlay) itself
-        return "q1"
-    return None
-
-
 # The compiled group products take each matrix's arrays as tuples, and numba compiles one
 # specialization per tuple length: 10 s each for the 4-bit family's parallel driver, 3 s for the
 # row kernels', paid on the first run after an install once for qkv (3), gate/up (2) and o/down
@@ -270,7 +252,7 @@ class MatvecGroup:
         self.width = self.sizes[0] if act is not None else 0
         self.nbytes = sum(int(getattr(o, "nbytes", 0)) for o in self.ops)
         self.work = sum(int(getattr(o, "work", getattr(o, "nbytes", 0))) for o in self.ops)  # see FusedLinear.work
-        fams = {_family(o) for o in self.ops}
+        fams = {getattr(o, "group_family", None) for o in self.ops}
         self.family = fams.pop() if len(fams) == 1 else None
         self._rows = np.arange(max(self.sizes), dtype=np.int64)
         if self.family is not None and self.family.startswith("tiled"):

@@ -29,6 +29,7 @@ from ._jit import PARALLEL, SERIAL, chunk, f16_at, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .q4 import R as TILE_R
+from .registry import family
 from .tiled import TiledLinear
 from .vbit import group_sums
 
@@ -144,8 +145,13 @@ def _q1s_overlay(data: np.ndarray, shape: tuple[int, int], name: str) -> tuple[n
     return ptr, ent
 
 
+@family(Dtype.Q1, Dtype.Q1S, Dtype.Q1T)
 class Q1Linear(FusedLinear):
     """``q1`` / ``q1s`` / ``q1t``."""
+
+    @property
+    def group_family(self) -> str | None:
+        return "q1" if self.tiled is None else None  # q1t runs its tiles (and overlay) itself
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

@@ -19,6 +19,7 @@ from ._jit import PARALLEL, SERIAL, int8_f32, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .dot_ir import dot1, dot4
+from .registry import family
 
 
 @numba.njit(**SERIAL)
@@ -100,8 +101,11 @@ def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
         q8_dequant(q, s, col, rows[i0:i1], out[i0:i1])
 
 
+@family(Dtype.Q8_ROW, Dtype.Q8_2F)
 class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
+
+    group_family = "q8"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

@@ -19,6 +19,7 @@ from ._jit import chunk as _chunk
 from .blas import NO_TRANS, TRANS, sgemm
 from .q4 import (BLOCK_PIECES, CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH,
                  ZERO, R, block_par, decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
+from .registry import family
 from .xprep import fill_x
 
 
@@ -34,9 +35,19 @@ def _exp2_table() -> np.ndarray:
     return exp2_f16_table()
 
 
+@family(Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP)
 class TiledLinear(FusedLinear):
     """q4_block (``in % 32 == 0``), q4_tiled, q4tp and q2tp through 64-row tiles; also the base
     of q1t (its overlay is added by ``q1.Q1Linear``)."""
+
+    @classmethod
+    def accepts(cls, dtype, shape: tuple[int, ...]) -> bool:  # noqa: ANN001 - a Dtype
+        """q4_block groups may straddle rows: the reference path decodes those few matrices."""
+        return not (dtype == Dtype.Q4_BLOCK and shape[1] % GROUP)
+
+    @property
+    def group_family(self) -> str:
+        return f"tiled{self.width}"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ..format.constants import GROUP
+from ..format.constants import GROUP, Dtype
 from ..format.dtypes import vbit_layout
 from ..quant import F16_TABLE, vbit_range
 from ._base import FusedLinear
@@ -25,6 +25,7 @@ from . import gemm
 from ._jit import PARALLEL, SERIAL, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
+from .registry import family
 
 
 @numba.njit(**SERIAL)
@@ -113,8 +114,11 @@ def vbit_dequant_rows(data, widths, starts, soff, table, rows, out):  # pragma: 
                           np.int64(0), np.int64(1))
 
 
+@family(Dtype.VBIT, Dtype.VBIT_RO)
 class VbitLinear(FusedLinear):
     """``vbit`` / ``vbit_ro``."""
+
+    group_family = "vbit"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

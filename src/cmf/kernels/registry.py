@@ -1,0 +1,65 @@
+"""The fused LinearOp families by dtype: one table, filled by the families themselves.
+
+Each family module declares its class with :func:`family` — the dtypes it runs and nothing else;
+:func:`family_for` looks a stored dtype up (after importing ``FAMILY_MODULES`` once). Adding a
+dtype at full speed therefore touches its codec (``quant``), its kernel module (a
+:class:`~cmf.kernels._base.FusedLinear` subclass decorated here) and, for a new module, the
+``FAMILY_MODULES`` line below. Grouped and batched products ask the op itself
+(``FusedLinear.group_family``) which compiled group kernel can take it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Callable
+
+from ..format.constants import Dtype
+
+if TYPE_CHECKING:
+    from ._base import FusedLinear
+
+# The modules whose classes register (imported on the first lookup: they compile numba kernels).
+FAMILY_MODULES = ("floats", "q8", "tiled", "vbit", "q1")
+
+_TABLE: dict[Dtype, type] = {}
+_loaded = False
+
+
+def family(*dtypes: Dtype) -> Callable[[type], type]:
+    """Class decorator: ``cls`` is the fused LinearOp for ``dtypes`` (each at most one family)."""
+    def register(cls: type) -> type:
+        for d in dtypes:
+            other = _TABLE.get(d)
+            if other is not None and other is not cls:
+                raise ValueError(f"dtype {Dtype(d).label} already runs through {other.__name__}")
+            _TABLE[Dtype(d)] = cls
+        cls.DTYPES = tuple(Dtype(d) for d in dtypes)
+        return cls
+    return register
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for m in FAMILY_MODULES:
+            importlib.import_module(f"{__package__}.{m}")
+        _loaded = True
+
+
+def family_for(dtype: Dtype, shape: tuple[int, ...]) -> "type[FusedLinear] | None":
+    """The family class for a stored matrix, or None (no kernel for the dtype, or the family
+    declines the shape: ``FusedLinear.accepts``)."""
+    _load()
+    cls = _TABLE.get(Dtype(dtype))
+    if cls is None or not cls.accepts(Dtype(dtype), shape):
+        return None
+    return cls
+
+
+def registered() -> dict[Dtype, type]:
+    """A copy of the table (every family loaded)."""
+    _load()
+    return dict(_TABLE)
+
+
+__all__ = ["FAMILY_MODULES", "family", "family_for", "registered"]
