@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--imatrix-only", action="store_true",
                     help="of llama.cpp's types only the imatrix files (the plain ones measured before on these ids)")
     ap.add_argument("--no-targets", action="store_true", help="skip the --target-mb files at llama.cpp's sizes")
+    ap.add_argument("--llama-known", default="", metavar="TYPE=MB:PPL,...",
+                    help="llama.cpp files measured in an earlier run on the same protocol (RESULTS.md), used as "
+                         "rows and targets without llama.cpp installed, e.g. 'Q4_K_M imatrix=105.5:19.160'")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
@@ -181,11 +184,16 @@ def main() -> None:
                 llama[key] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
                 rows.append(("llama.cpp", key, *llama[key]))
                 print(f"llama.cpp {key}: {llama[key][0]:.1f} MB PPL {llama[key][1]:.3f}", file=sys.stderr, flush=True)
+    for entry in (x for x in args.llama_known.split(",") if x.strip()):
+        ty, _, fig = entry.partition("=")
+        mb, _, p = fig.partition(":")
+        llama[ty.strip()] = (float(mb), float(p))
+        rows.append(("llama.cpp (earlier run)", ty.strip(), float(mb), float(p)))
     # pycmf at each llama.cpp size that lies between its q2tp and q8 files
     cache: dict = {}
     lo = min((r[2] for r in rows if r[0] == "pycmf" and r[1].startswith("q2tp")), default=0.0)
     for ty, (mb, _) in ({} if args.no_targets else llama).items():
-        if mb <= lo or ty.endswith(" imatrix") and abs(mb - llama[ty.split()[0]][0]) < 0.05:
+        if mb <= lo or ty.endswith(" imatrix") and ty.split()[0] in llama and abs(mb - llama[ty.split()[0]][0]) < 0.05:
             continue  # an imatrix file of the plain one's size needs no second target file
         out = work / f"smol-target-{ty.replace(' ', '-')}.cmf"
         requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file

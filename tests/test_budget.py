@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmf.convert.budget import Candidate, allocate, relative_loss, target_bytes
+from cmf.convert.budget import LADDER, Candidate, allocate, candidates, relative_loss, target_bytes
 from cmf.convert.errors import ConvertError
 from cmf.format.errors import WriterError
 from cmf.format.reader import open as cmf_open
@@ -42,6 +42,21 @@ def test_allocate_takes_a_smaller_step_when_the_jump_does_not_fit():
     # q2 -> q8 removes the most loss per byte, but only q2 -> q4 fits
     cands = {"a": [Candidate("q2tp", 200, 1.0), Candidate("q4tp", 400, 0.9), Candidate("q8_row", 800, 0.0)]}
     assert allocate(cands, 0, 500).choice == {"a": "q4tp"}
+
+
+def test_the_ladder_measures_every_rung_and_vbit_fills_the_gap():
+    """Five rungs, each smaller and lossier than the next; the vbit rungs carry their mean bits
+    to the encoder, and a budget between q4tp and q8_row can end on one of them."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
+    c = candidates(w, None, {})
+    assert [x.name for x in c] == [r.label for r in LADDER] == ["q2tp", "q4tp", "vbit5", "vbit6", "q8_row"]
+    assert [x.options for x in c][2:4] == [{"mean_bits": 5.0}, {"mean_bits": 6.0}]
+    assert all(a.nbytes < b.nbytes and a.loss > b.loss for a, b in zip(c, c[1:]))
+    bits = [8 * x.nbytes / w.size for x in c]
+    assert 5.0 < bits[2] < 6.0 < bits[3] < 7.0, bits
+    p = allocate({"a": c}, 0, c[2].nbytes + 10)
+    assert p.choice == {"a": "vbit5"} and p.picked["a"].dtype == "vbit" and p.bytes == c[2].nbytes
 
 
 def test_target_and_loss_helpers():
@@ -77,7 +92,7 @@ def test_requant_to_a_target_size_fits_and_mixes_the_ladder(base_f32, tmp_path):
     rep = requant(base_f32, out, quant="q4tp", target_mb=target / 1e6)
     got, counts = _payload_bytes(out)
     assert b4 < got and out.stat().st_size <= target  # the whole file fits
-    assert counts.get("q8_row", 0) > 1 and counts.get("q4tp", 0) + counts.get("q2tp", 0) > 0
+    assert counts.get("q8_row", 0) + counts.get("vbit", 0) > 1  # rungs above 4 bits
     assert {e["reason"] for e in rep["entries"]} >= {"budget"}
     with cmf_open(out) as f:
         assert f.verify() == []
@@ -118,11 +133,12 @@ def test_convert_to_a_target_size_fits_the_whole_file(base_f32, tmp_path):
     assert cli(["convert", "-m", str(BASE), "-o", str(out), "--quant", "q4tp", "--target-mb", str(target / 1e6)]) == 0
     got, counts = _payload_bytes(out)
     assert q4.stat().st_size < out.stat().st_size <= target
-    assert counts.get("q8_row", 0) > 1 and counts.get("q4tp", 0) + counts.get("q2tp", 0) > 0
+    assert counts.get("q8_row", 0) + counts.get("vbit", 0) > 1  # rungs above 4 bits
     with cmf_open(out) as f:
         assert f.verify() == []
         budget = f.header.to_dict()["provenance"]["options"]["budget"]
-        assert budget["bytes"] <= target and set(budget["matrices"]) <= {"q2tp", "q4tp", "q8_row"}
+        assert budget["bytes"] <= target and set(budget["matrices"]) <= {r.label for r in LADDER}
+        assert len(budget["matrices"]) >= 2  # a mix of rungs, not one dtype everywhere
     # --bpw through the API
     out2 = tmp_path / "bpw.cmf"
     with cmf_open(base_f32) as f:

@@ -1,7 +1,8 @@
 """Target-size quantization (``--target-mb N`` / ``--bpw B``): per-matrix dtypes that fit a budget.
 
 Every matrix the quant's policy puts on a ladder dtype (q2tp, q4tp, the 4-bit family, vbit…) may
-instead take any of :data:`LADDER` — ``q2tp`` (2.2 bits), ``q4tp`` (4.2), ``q8_row`` (8.1). Each
+instead take any rung of :data:`LADDER` — ``q2tp`` (2.2 bits), ``q4tp`` (4.2), ``vbit`` at a mean
+of 5 and 6 bits (5.5 and 6.5 with its row widths and scales), ``q8_row`` (8.1). Each
 candidate is encoded once to measure its predicted loss: the relative output error
 ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` under the matrix's calibration Hessian H (or H = I, the relative
 weight error, without ``--calib``). Starting from the cheapest candidate everywhere, the upgrade
@@ -23,7 +24,21 @@ from .errors import ConvertError
 
 log = logging.getLogger(__name__)
 
-LADDER = ("q2tp", "q4tp", "q8_row")
+@dataclass(frozen=True)
+class Rung:
+    """One step of the ladder: a dtype and the encoder options that set its size."""
+
+    label: str
+    dtype: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+# The vbit rungs fill the gap between 4 and 8 bits: on SmolLM2-135M (14 matrices of layers 5
+# and 20, relative weight error) q4tp 7.6e-3 at 4.22 bits, vbit 5 2.1e-3 at 5.52, vbit 6 5.5e-4
+# at 6.45, q8_row 7.4e-5 at 8.03 — the step to vbit 5 removes 4.2e-3 per added bit, the jump to
+# q8_row 2.0e-3 (docs/QUANT.md, "Target size").
+LADDER = (Rung("q2tp", "q2tp"), Rung("q4tp", "q4tp"), Rung("vbit5", "vbit", (("mean_bits", 5.0),)),
+          Rung("vbit6", "vbit", (("mean_bits", 6.0),)), Rung("q8_row", "q8_row"))
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -33,15 +48,23 @@ class Candidate:
     dtype: str
     nbytes: int
     loss: float
+    options: dict[str, Any] = field(default_factory=dict)  # the encoder options of its rung
+    label: str = ""  # the rung's name ("" = the dtype)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.dtype
 
 
 @dataclass
 class BudgetPlan:
-    """The dtype per movable matrix and what the budget cost."""
+    """The rung per movable matrix and what the budget cost (``choice``: the rung's name;
+    ``picked``: the candidate itself — dtype, encoder options, exact payload size)."""
 
     target_bytes: int
     fixed_bytes: int
     choice: dict[str, str] = field(default_factory=dict)
+    picked: dict[str, Candidate] = field(default_factory=dict)
     bytes: int = 0
     loss: float = 0.0
 
@@ -95,14 +118,19 @@ def relative_loss(w: np.ndarray, got: np.ndarray, hessian: np.ndarray | None) ->
 
 
 def candidates(w: np.ndarray, stats, options: dict[str, Any]) -> list[Candidate]:  # noqa: ANN001
-    """Each ladder dtype's payload size and predicted loss for one matrix."""
+    """Each ladder rung's payload size and predicted loss for one matrix (its encoder options:
+    the rung's own, and the policy's ``encoder`` choice for the tile formats)."""
     from .. import calib, quant
 
     hess = stats.mean_hessian() if stats is not None else None
     out = []
-    for dtype in LADDER:
-        data = calib.encode(w, dtype, stats, **{k: v for k, v in options.items() if k == "encoder"})
-        out.append(Candidate(dtype, len(data), relative_loss(w, quant.decode(data, dtype, w.shape), hess)))
+    for rung in LADDER:
+        opts = dict(rung.options)
+        if rung.dtype in ("q2tp", "q4tp", "q8_row") and "encoder" in options:
+            opts["encoder"] = options["encoder"]
+        data = calib.encode(w, rung.dtype, stats, **opts)
+        loss = relative_loss(w, quant.decode(data, rung.dtype, w.shape), hess)
+        out.append(Candidate(rung.dtype, len(data), loss, dict(rung.options), rung.label))
     return out
 
 
@@ -113,7 +141,7 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
     used = fixed_bytes + sum(c[0].nbytes for c in cands.values())
     if used > budget:
         raise ConvertError(f"a target of {budget / 1e6:.1f} MB is below the smallest file this model can be "
-                           f"with {LADDER[0]} everywhere it is allowed: {used / 1e6:.1f} MB")
+                           f"with {LADDER[0].label} everywhere it is allowed: {used / 1e6:.1f} MB")
     heap: list[tuple[float, str, int]] = []
 
     def push(name: str) -> None:
@@ -144,7 +172,8 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
         used += extra
         at[name] = j
         push(name)
-    plan.choice = {n: cands[n][i].dtype for n, i in at.items()}
+    plan.picked = {n: cands[n][i] for n, i in at.items()}
+    plan.choice = {n: c.name for n, c in plan.picked.items()}
     plan.bytes = used
     plan.loss = float(sum(cands[n][i].loss for n, i in at.items()))
     return plan
@@ -199,7 +228,7 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
             n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
             fixed += n if n is not None else t.nbytes
     plan = plan_budget(items, fixed, budget, calibration, progress, cache)
-    return plan, {n: Choice(d, {}, "budget") for n, d in plan.choice.items()}
+    return plan, {n: Choice(c.dtype, dict(c.options), "budget") for n, c in plan.picked.items()}
 
 
 def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.hf.Plan
@@ -242,9 +271,12 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
              for i in moved]
     bplan = plan_budget(items, fixed, budget, plan.calibration, progress)
     for i in moved:
-        dtype = bplan.choice[i.name]
-        i.choice = Choice(dtype, {}, "budget")
-        i.out_bytes = int(_quant.get_codec(dtype).expected_nbytes(tuple(i.shape)))
+        c = bplan.picked[i.name]
+        i.choice = Choice(c.dtype, dict(c.options), "budget")
+        n = _quant.get_codec(c.dtype).expected_nbytes(tuple(i.shape))
+        # vbit's size depends on the data: the candidate's own encoding (the same encoder on the
+        # same values and statistics as the write) is the exact size
+        i.out_bytes = int(n) if n is not None else c.nbytes
         i.out_exact = True
     plan.header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
     return bplan

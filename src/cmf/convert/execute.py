@@ -129,7 +129,8 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
     fam_members: dict[tuple[str, str], list[PlanItem]] = {}
     for it in plan.items:
         key = _family_key(it.name)
-        if key is not None and it.choice.dtype in ("vbit", "vbit_ro"):
+        # (a budget's vbit rung was measured per matrix, without a family bias: its size must stay)
+        if key is not None and it.choice.dtype in ("vbit", "vbit_ro") and it.choice.reason != "budget":
             fam_members.setdefault(key, []).append(it)
     biases: dict[str, float] = {}
     done_families: set[tuple[str, str]] = set()
