@@ -195,6 +195,25 @@ def test_one_token_attention_matches_numpy(window, softcap, monkeypatch) -> None
             _close(got, want.astype(np.float64), 2e-6)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (6, 2.0)])
+def test_short_blocks_attend_row_by_row_as_the_token_step(window, softcap) -> None:
+    """Blocks of 2-7 queries (a speculative draft, an MTP step) run the one-token kernel per row:
+    each row is bit for bit what the token step computes at its position, and within 2e-6 of
+    numpy's batched form."""
+    from cmf.runtime.blocks import BLOCKED_ATTENTION_T, attend_rows
+
+    for t, s, q0, k0 in ((1, 9, 8, 0), (2, 12, 10, 0), (5, 30, 28, 3), (BLOCKED_ATTENTION_T - 1, 20, 13, 0)):
+        q, k, v = _qkv(t, s, seed=t)
+        got = attend_rows(q, k, v, q0, k0, 0.25, window, softcap)
+        want = attend(q, k, v, q0, k0, scale=0.25, window=window, softcap=softcap)
+        _close(got, want.astype(np.float64), 2e-6)
+        for r in range(t):  # the token step at position q0 + r sees the cache up to it
+            n = q0 + r - k0 + 1
+            one = decode.attend_decode(q[r], k[:n], v[:n], q0 + r, k0, 0.25, window, softcap,
+                                       np.empty((8, 16), np.float32))
+            assert np.array_equal(one, got[r])
+
+
 def test_row_kernels_match_numpy() -> None:
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((300, 256)) * 3).astype(np.float32)

@@ -14,6 +14,7 @@ from .cache import LayerKV, LinearState
 from .ops import attention_block, gdn
 from .ops.activations import activation
 from .ops.attention import attend
+from .ops.decode import attend_decode
 from .ops.linear import mm
 from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows, rope_rows
 from ..kernels.gemv import ACTS
@@ -27,6 +28,22 @@ from .weights import Weights
 
 # Query blocks at least this long use the per-thread sgemm attention (ops/attention_block.py).
 BLOCKED_ATTENTION_T = 8
+
+
+def attend_rows(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos0: int, k0: int, scale: float,
+                window: int | None, softcap: float | None) -> np.ndarray:
+    """Attention of a short query block (fewer than BLOCKED_ATTENTION_T rows: a speculative
+    draft being verified, an MTP step, a one-token forward) through the one-token decode kernel,
+    row by row: each row gets exactly what the token step computes at its position, and no
+    numpy temporaries of [KV, G, T, S]."""
+    t, h, _ = q.shape
+    out = np.empty((t, h, vals.shape[-1]), np.float32)
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    for r in range(t):
+        n = pos0 + r - k0 + 1  # the cache as the token step at this position holds it
+        attend_decode(q[r], keys[:n], vals[:n], pos0 + r, k0, scale, window, softcap, out[r])
+    return out
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -87,10 +104,12 @@ class Attention:
         q, k = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k, dtype=np.float32)
         qk_norm_rope_rows(q, k, self.qn, self.kn, self.eps, cos, sin)
         keys, vals, k0 = kv.append(k, v)
-        if t >= BLOCKED_ATTENTION_T and attention_block.supported():
+        if t < BLOCKED_ATTENTION_T:
+            out = attend_rows(q, keys, vals, pos0, k0, a.scale, a.window, a.softcap)
+        elif attention_block.supported():
             out = attention_block.attend_blocked(q, keys, vals, pos0, k0, scale=a.scale, window=a.window,
                                                  softcap=a.softcap)
-        else:
+        else:  # no reachable sgemm: numpy's batched products
             out = attend(q, keys, vals, pos0, k0, scale=a.scale, window=a.window, softcap=a.softcap)
         if gate is not None:
             out = out * _sigmoid(gate)
