@@ -63,10 +63,13 @@ class BudgetPlan:
 
     target_bytes: int
     fixed_bytes: int
-    choice: dict[str, str] = field(default_factory=dict)
     picked: dict[str, Candidate] = field(default_factory=dict)
     bytes: int = 0
     loss: float = 0.0
+
+    @property
+    def choice(self) -> dict[str, str]:
+        return {n: c.name for n, c in self.picked.items()}
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -173,7 +176,6 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
         at[name] = j
         push(name)
     plan.picked = {n: cands[n][i] for n, i in at.items()}
-    plan.choice = {n: c.name for n, c in plan.picked.items()}
     plan.bytes = used
     plan.loss = float(sum(cands[n][i].loss for n, i in at.items()))
     return plan

@@ -135,14 +135,8 @@ def _make(elem: str, nrows: int, nvecs: int):
 _KERNELS = {(e, r, v): _make(e, r, v) for e in ELEMS for r, v in ((4, 1), (1, 1), (2, 2))}
 
 
-def _elem(dtype, kind_is_f16: bool) -> str | None:  # noqa: ANN001
-    if dtype == types.int8:
-        return "i8"
-    if dtype == types.float32:
-        return "f32"
-    if dtype == types.uint16:
-        return "f16" if kind_is_f16 else "bf16"
-    return None
+# weight element types with one kernel each (uint16 holds f16 or bf16 bits: chosen by ``kind``)
+_ELEM = {types.int8: "i8", types.float32: "f32"}
 
 
 def _contiguous(*arrays) -> bool:  # noqa: ANN002
@@ -170,10 +164,9 @@ def _dot4_impl(wa, wb, wc, wd, x, kind):  # noqa: ANN001, ANN202 - chosen by the
     if wa.dtype == types.uint16:
         f16, bf16 = _KERNELS["f16", 4, 1], _KERNELS["bf16", 4, 1]
         return lambda wa, wb, wc, wd, x, kind: (f16(wa, wb, wc, wd, x) if kind == 1 else bf16(wa, wb, wc, wd, x))
-    e = _elem(wa.dtype, False)
-    if e is None:
+    if wa.dtype not in _ELEM:
         return None
-    k = _KERNELS[e, 4, 1]
+    k = _KERNELS[_ELEM[wa.dtype], 4, 1]
     return lambda wa, wb, wc, wd, x, kind: k(wa, wb, wc, wd, x)
 
 
@@ -185,10 +178,9 @@ def _dot1_impl(w, x, kind):  # noqa: ANN001, ANN202 - chosen by the weight type
     if w.dtype == types.uint16:
         f16, bf16 = _KERNELS["f16", 1, 1], _KERNELS["bf16", 1, 1]
         return lambda w, x, kind: (f16(w, x)[0] if kind == 1 else bf16(w, x)[0])
-    e = _elem(w.dtype, False)
-    if e is None:
+    if w.dtype not in _ELEM:
         return None
-    k = _KERNELS[e, 1, 1]
+    k = _KERNELS[_ELEM[w.dtype], 1, 1]
     return lambda w, x, kind: k(w, x)[0]
 
 
@@ -200,8 +192,7 @@ def _dot22_impl(wa, wb, x0, x1, kind):  # noqa: ANN001, ANN202 - chosen by the w
     if wa.dtype == types.uint16:
         f16, bf16 = _KERNELS["f16", 2, 2], _KERNELS["bf16", 2, 2]
         return lambda wa, wb, x0, x1, kind: (f16(wa, wb, x0, x1) if kind == 1 else bf16(wa, wb, x0, x1))
-    e = _elem(wa.dtype, False)
-    if e is None:
+    if wa.dtype not in _ELEM:
         return None
-    k = _KERNELS[e, 2, 2]
+    k = _KERNELS[_ELEM[wa.dtype], 2, 2]
     return lambda wa, wb, x0, x1, kind: k(wa, wb, x0, x1)
