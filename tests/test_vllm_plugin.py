@@ -29,7 +29,10 @@ from cmf.cli import main as cli_main  # noqa: E402
 from cmf.convert import convert, export  # noqa: E402
 from cmf.integrations.vllm import (IntegrityRefused, LoaderOptions, StaleFolder, UnsupportedSelection,  # noqa: E402
                                    check_integrity, iter_hf_weights, prepare, read_source)
-from cmf.integrations.vllm.weights import check_task  # noqa: E402
+from cmf.integrations.vllm.direct import _wrap, is_cmf_file, resolve_model  # noqa: E402
+from cmf.integrations.vllm.errors import CmfFileNotFound, NotACmfFile  # noqa: E402
+from cmf.integrations.vllm.quantized import dequantize_kept, pack_int32, quantization_config  # noqa: E402
+from cmf.integrations.vllm.weights import check_task, iter_hf_tensors, kept_plan  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable in this venv "
@@ -162,6 +165,105 @@ def test_restricting_task_mask_refused(tmp_path: Path) -> None:
         with pytest.raises(UnsupportedSelection, match="cmf defrag"):
             check_task(f, None, None)  # the file's default task restricts: refused
         assert check_task(f, "none", None) is None  # served unmasked on request
+
+
+def test_resolve_model_file_folder_and_errors(tmp_path: Path) -> None:
+    src = H.converted("qwen3")
+    c = tmp_path / "c"
+    folder = prepare(src, cache_dir=c)
+    assert resolve_model(str(folder), None, None, cache_dir=c) is None  # the folder route is left alone
+    got = resolve_model(str(src), None, None, cache_dir=c)
+    assert got == (str(folder), str(folder), str(src))  # served as the path given, tokenizer from the folder
+    assert resolve_model(str(src), str(src), ["m"], cache_dir=c) == (str(folder), str(folder), ["m"])
+    assert resolve_model(str(src), "other/tok", "m", cache_dir=c) == (str(folder), "other/tok", "m")
+    with pytest.raises(CmfFileNotFound, match="no such file"):
+        resolve_model(str(tmp_path / "absent.cmf"), None, None, cache_dir=c)
+    fake = tmp_path / "fake.cmf"
+    fake.write_bytes(b"GGUF" + bytes(60))
+    assert not is_cmf_file(fake) and is_cmf_file(src)
+    with pytest.raises(NotACmfFile, match="not a CMF file"):
+        resolve_model(str(fake), None, None, cache_dir=c)
+    with pytest.raises(FileNotFoundError):  # also an ordinary FileNotFoundError for callers that catch that
+        resolve_model(str(tmp_path / "nope"), None, None, cache_dir=c)
+
+
+def test_resolve_model_shard_set(tmp_path: Path) -> None:
+    out = tmp_path / "m.cmf"
+    convert(H.fixture("qwen3"), out, quant="f32", shard_max_gb=0.0002)
+    shards = sorted(tmp_path.glob("m-*-of-*.cmf"))
+    got = resolve_model(str(shards[1]), None, None, cache_dir=tmp_path / "c")
+    assert got is not None and len(read_source(got[0])["shards"]) == len(shards)
+
+
+def test_create_engine_config_wrapper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper register() installs on EngineArgs, on a stand-in class (no vLLM needed)."""
+    import dataclasses
+
+    monkeypatch.setenv("PYCMF_VLLM_CACHE", str(tmp_path / "c"))
+
+    @dataclasses.dataclass
+    class Args:
+        model: str
+        load_format: str = "auto"
+        tokenizer: str | None = None
+        served_model_name: str | None = None
+        model_loader_extra_config: dict = dataclasses.field(default_factory=dict)
+
+        def create_engine_config(self) -> tuple:
+            return self.model, self.tokenizer, self.served_model_name
+
+    Args.create_engine_config = _wrap(Args.create_engine_config)  # type: ignore[method-assign]
+    src = str(H.converted("qwen3"))
+    assert Args(src).create_engine_config() == (src, None, None)  # another load format: untouched
+    folder = str(prepare(src))
+    assert Args(src, "cmf").create_engine_config() == (folder, folder, src)
+    keep = Args(src, "cmf", model_loader_extra_config={"quantized": "keep"}).create_engine_config()
+    assert keep[0] != folder and keep[0].endswith("-keep")  # the mode selects its own folder
+    with pytest.raises(NotACmfFile):
+        Args(__file__, "cmf").create_engine_config()  # a file, but not CMF
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4", "q4t", "q4tp"])
+def test_kept_weights_dequantize_to_pycmf_values(quant: str, tmp_path: Path) -> None:
+    """quantized=keep: the compressed-tensors tensors, unpacked by the methods' documented layout,
+    equal pycmf's decode bit for bit; the other tensors are the dequantized stream as before."""
+    src = H.converted("qwen3", quant)
+    with cmf.open(src) as f:
+        want = dict(iter_hf_weights(f))
+        plan = kept_plan(f)
+        got = {n: a for n, a, _ in iter_hf_tensors(f, quantized="keep")}
+    assert plan, "nothing kept"
+    for name, (scheme, _) in plan.items():
+        mod = name[:-len(".weight")]
+        assert got[name].dtype == np.int8 if scheme == "w8a8" else name not in got  # w8a8 keeps the name
+        deq = dequantize_kept(got, mod, scheme)
+        assert deq.dtype == np.float32 and np.array_equal(deq, want[name]), name
+    for name in set(want) - set(plan):
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], want[name]), name
+    qc = quantization_config(plan)
+    targets = {t for g in qc["config_groups"].values() for t in g["targets"]}
+    assert targets == {n[:-len(".weight")] for n in plan}
+    folder = prepare(src, cache_dir=tmp_path, quantized="keep")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads(json.dumps(qc))
+    assert read_source(folder)["quantized"] == "keep"
+    assert "quantization_config" not in json.loads((prepare(src, cache_dir=tmp_path) / "config.json").read_text())
+
+
+def test_kept_groups_share_one_scheme() -> None:
+    """q/k/v and gate/up are one layer in vLLM: a group is kept only when all members are."""
+    with cmf.open(H.converted("qwen3", "q4tp")) as f:
+        plan = kept_plan(f)
+    for layer in {n.rsplit(".", 3)[0] for n in plan}:
+        qkv = [f"{layer}.self_attn.{p}_proj.weight" in plan for p in "qkv"]
+        gu = [f"{layer}.mlp.{p}_proj.weight" in plan for p in ("gate", "up")]
+        assert len(set(qkv)) == 1 and len(set(gu)) == 1
+
+
+def test_pack_int32_layout() -> None:
+    nib = np.arange(16, dtype=np.uint8).reshape(1, 16)
+    words = pack_int32(nib).view(np.uint32)
+    assert words.tolist() == [[0x76543210, 0xFEDCBA98]]  # input 8j+i in bits 4i..4i+3 of word j
 
 
 # ------------------------------------------------------------------------ vLLM

@@ -23,3 +23,11 @@ class StaleFolder(VllmPluginError):
 
 class UnsupportedSelection(VllmPluginError):
     """A skill, task mask or option that vLLM cannot serve from this file."""
+
+
+class CmfFileNotFound(VllmPluginError, FileNotFoundError):
+    """``load_format="cmf"`` was given a path that does not exist."""
+
+
+class NotACmfFile(VllmPluginError, ValueError):
+    """``load_format="cmf"`` was given a file that does not start with the CMF magic."""

@@ -26,8 +26,9 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...format.reader import open as cmf_open
+from .errors import UnsupportedSelection
 from .materialize import check_fresh, read_source
-from .weights import LoaderOptions, check_integrity, check_task, iter_hf_weights
+from .weights import LoaderOptions, check_integrity, check_task, iter_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,21 @@ def _cmf_path(model_config: ModelConfig, opts: LoaderOptions) -> tuple[Path, dic
         return Path(opts.path), {}
     rec = read_source(model_config.model)
     return Path(rec["path"]), rec
+
+
+def _mode(model_config: ModelConfig, opts: LoaderOptions, rec: dict) -> str:
+    """``dequantize`` or ``keep``: the folder's config.json decided which layers vLLM built quantized."""
+    folder = rec.get("quantized", "dequantize") if rec else None
+    if opts.path and folder is None:
+        try:
+            folder = read_source(model_config.model).get("quantized", "dequantize")
+        except Exception:  # noqa: BLE001 - a folder without a record: the option alone decides
+            folder = None
+    if opts.quantized is not None and folder is not None and opts.quantized != folder:
+        raise UnsupportedSelection(f"{model_config.model}: this folder was prepared with quantized={folder!r}, the "
+                                   f"loader was asked for {opts.quantized!r}; run prepare(..., quantized="
+                                   f"{opts.quantized!r}) and pass that folder (or the .cmf itself)")
+    return folder or opts.quantized or "dequantize"
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -66,9 +82,15 @@ class CmfModelLoader(BaseModelLoader):
             task = check_task(f, self.options.task, self.options.skill)
             if task is not None:
                 log.info("%s: task mask %r restricts nothing; served as is", path, task)
-            for name, arr in iter_hf_weights(f, self.options.skill):
+            mode = _mode(model_config, self.options, rec)
+            if mode == "keep" and dtype != torch.float32:
+                log.warning("cmf: quantized=keep at %s: vLLM holds int4 group scales in the serving dtype, so "
+                            "q4tp (and at bfloat16 every 4-bit) scale is rounded; float32 keeps them exact", dtype)
+            for name, arr, is_float in iter_hf_tensors(f, self.options.skill, mode):
                 # f32 from the codecs, then one cast: bf16/f16 rounding is torch's round-to-nearest-even.
-                yield name, torch.from_numpy(arr).to(dtype)
+                # Kept integer tensors and their f32 scales go as they are (vLLM's parameters cast scales).
+                t = torch.from_numpy(arr)
+                yield name, (t.to(dtype) if is_float else t)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Feed ``model.load_weights`` the file's tensors; refuse a model that is left with unset weights."""

@@ -28,7 +28,7 @@ from .errors import StaleFolder, UnsupportedSelection
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "cmf_source.json"
-FORMAT_VERSION = 1  # bump when the folder's contents change, so older folders are rebuilt
+FORMAT_VERSION = 2  # bump when the folder's contents change, so older folders are rebuilt
 
 
 def cache_root() -> Path:
@@ -60,8 +60,12 @@ def _source_record(f: CmfFile) -> dict[str, Any]:
             "shards": [str(Path(p).resolve()) for p in f.paths], "pycmf": __version__}
 
 
-def write_folder(f: CmfFile, out: Path) -> dict[str, Any]:
-    """Write the config/tokenizer files of ``f`` (as ``cmf export`` does, no weights) into ``out``."""
+def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize") -> dict[str, Any]:
+    """Write the config/tokenizer files of ``f`` (as ``cmf export`` does, no weights) into ``out``.
+
+    ``quantized="keep"`` adds the compressed-tensors ``quantization_config`` of the weights the
+    loader will hand over as integers (:mod:`.quantized`); the rest of config.json is the export's.
+    """
     if f.is_skill_file:
         raise UnsupportedSelection(f"{f.path}: a standalone skill file is not a model; graft it onto its base "
                                    "first (`cmf skill apply`)")
@@ -70,25 +74,46 @@ def write_folder(f: CmfFile, out: Path) -> dict[str, Any]:
     # The same dtype default as `cmf export`: the source checkpoint's, else f32; vLLM's --dtype overrides.
     dtype = TORCH_NAMES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), "f32")
     cfg["dtype" if "torch_dtype" not in cfg else "torch_dtype"] = EXPORT_DTYPES[dtype][2]
+    kept = 0
+    if quantized == "keep":
+        from .quantized import quantization_config
+        from .weights import kept_plan
+
+        plan = kept_plan(f)
+        qc = quantization_config(plan)
+        kept = len(plan)
+        if qc is not None:
+            cfg["quantization_config"] = qc
+        else:
+            log.warning("%s: quantized=keep, but no weight has a layout vLLM takes exactly; all are dequantized", f.path)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", cfg)
     _write_tokenizer(out, f, prov)
     rec = _source_record(f)
     rec["model_type"] = mt
+    rec["quantized"] = quantized
+    rec["kept"] = kept
     _write_json(out / SOURCE_FILE, rec)
     return rec
 
 
-def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+            quantized: str | None = None) -> Path:
     """The materialised folder for ``path`` (a .cmf, any shard of a set), written if missing.
 
     Pass the folder as vLLM's ``model`` with ``load_format="cmf"``: the loader reads the weights
     from the CMF file recorded in it. Idempotent and cheap once written (opens the file, compares
-    the header hash).
+    the header hash). ``quantized``: ``dequantize`` (default) or ``keep`` (int8/int4 weights stay
+    integers in vLLM, :mod:`.quantized`); each mode has its own folder (``<key>-keep``).
     """
+    from .quantized import MODES
+
+    quantized = quantized or "dequantize"
+    if quantized not in MODES:
+        raise UnsupportedSelection(f"quantized={quantized!r}: choose one of {', '.join(MODES)}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     with cmf_open(path) as f:
-        key = file_key(f)
+        key = file_key(f) + ("-keep" if quantized == "keep" else "")
         folder = root / key
         rec_path = folder / SOURCE_FILE
         if rec_path.is_file():
@@ -101,7 +126,7 @@ def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=root))
         try:
-            write_folder(f, tmp)
+            write_folder(f, tmp, quantized)
             if folder.exists():
                 # Same header, other path (a copy of the file): the newest preparation wins.
                 shutil.rmtree(folder, ignore_errors=True)

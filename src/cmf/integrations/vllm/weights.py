@@ -20,6 +20,7 @@ from ...convert.export import _Out, _values, config_for, tensor_plan
 from ...convert.mla_layout import export_layout
 from ...format.reader import CmfFile, QTensor
 from .errors import IntegrityRefused, UnsupportedSelection
+from .quantized import MODES, kept_arrays, plan_kept
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class LoaderOptions:
     loads without checking (logged as a warning). ``skill``: a skill id whose tensors replace the
     backbone's. ``task``: a task mask name, or ``none`` to serve unmasked; a mask that restricts
     anything is refused (vLLM has no per-neuron gating). ``path``: the CMF file, overriding the one
-    recorded in the materialised folder.
+    recorded in the materialised folder. ``quantized``: ``dequantize`` (floats, the default) or
+    ``keep`` (q8_row and 4-bit group weights as compressed-tensors int8/int4, :mod:`.quantized`);
+    None follows the folder.
     """
 
     verify: str = "full"
@@ -44,12 +47,13 @@ class LoaderOptions:
     skill: str | None = None
     task: str | None = None
     path: str | None = None
+    quantized: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "LoaderOptions":
         """Parse vLLM's ``model_loader_extra_config`` (a dict, or None); unknown keys are refused."""
         extra = dict(extra or {})
-        known = {"verify", "pubkey", "skill", "task", "path"}
+        known = {"verify", "pubkey", "skill", "task", "path", "quantized"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise UnsupportedSelection(f"model_loader_extra_config: unknown key(s) {', '.join(unknown)} for the "
@@ -58,6 +62,9 @@ class LoaderOptions:
         if opts.verify not in VERIFY_POLICIES:
             raise UnsupportedSelection(f"model_loader_extra_config.verify={opts.verify!r}: choose one of "
                                        f"{', '.join(VERIFY_POLICIES)}")
+        if opts.quantized is not None and opts.quantized not in MODES:
+            raise UnsupportedSelection(f"model_loader_extra_config.quantized={opts.quantized!r}: choose one of "
+                                       f"{', '.join(MODES)}")
         return opts
 
 
@@ -166,8 +173,30 @@ def iter_hf_weights(file: CmfFile, skill: str | None = None) -> Iterator[tuple[s
     Each array is decoded when asked for and dropped by the caller, so RAM stays near one tensor
     (plus whatever vLLM keeps).
     """
+    for name, arr, _ in iter_hf_tensors(file, skill):
+        yield name, arr
+
+
+def kept_plan(file: CmfFile, skill: str | None = None) -> dict[str, tuple[str, str]]:
+    """HF weight name -> (scheme, CMF tensor) of the weights ``quantized: keep`` serves as integers."""
+    view, plan, mla, _ = hf_plan(file, skill)
+    return plan_kept(view, plan, mla)  # type: ignore[arg-type]
+
+
+def iter_hf_tensors(file: CmfFile, skill: str | None = None,
+                    quantized: str = "dequantize") -> Iterator[tuple[str, np.ndarray, bool]]:
+    """(name, array, is_float_weight): as :func:`iter_hf_weights`; with ``quantized="keep"`` the kept
+    weights come as their compressed-tensors tensors (int8/int32/int64, f32 scales), flagged False so
+    the caller does not cast them to the serving dtype."""
     view, plan, mla, _ = hf_plan(file, skill)
     if view.replaced:
         log.info("skill %r: %d tensor(s) replace the backbone's", skill, len(view.replaced))
+    kept = plan_kept(view, plan, mla) if quantized == "keep" else {}  # type: ignore[arg-type]
+    if quantized == "keep":
+        log.info("%s: %d of %d weights served quantized (quantized=keep)", file.path, len(kept), len(plan))
     for o in plan:
-        yield o.name, _values(view, o, mla)  # type: ignore[arg-type]
+        if o.name in kept:
+            for name, arr in kept_arrays(view, o.name, *kept[o.name]):  # type: ignore[arg-type]
+                yield name, arr, False
+        else:
+            yield o.name, _values(view, o, mla), True  # type: ignore[arg-type]
