@@ -33,7 +33,15 @@ def main(spec: dict) -> dict:
     outs = llm.generate(prompts, sp)
     gen_s = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {"tokens": tokens, "load_s": load_s, "gen_s": gen_s,
+    params_mb = None
+    if spec.get("params"):
+        # Bytes of the model's parameters and buffers as vLLM holds them (int8/int4 when kept). Weights
+        # a kernel prepacked and dropped from the module (oneDNN W8A8) are not counted here.
+        def _size(m) -> int:  # noqa: ANN001 - a torch module
+            return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+        params_mb = llm.apply_model(_size)[0] / 2**20
+    return {"tokens": tokens, "params_mb": params_mb, "load_s": load_s, "gen_s": gen_s,
             "tok_s": sum(len(t) for t in tokens) / gen_s if gen_s else 0.0,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "children_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}

