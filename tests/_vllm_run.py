@@ -13,6 +13,15 @@ import sys
 import time
 
 
+def _vm_rss_mb() -> float | None:
+    """This process's resident set now (Linux), MiB."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            return next(int(x.split()[1]) / 1024 for x in fh if x.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def main(spec: dict) -> dict:
     """Start ``vllm.LLM`` as ``spec`` says, decode greedily, return tokens and figures."""
     from vllm import LLM, SamplingParams
@@ -26,6 +35,7 @@ def main(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
+    rss_loaded_mb = _vm_rss_mb()  # held after the load (weights, KV cache, runtime), not the peak
     sp = SamplingParams(temperature=0.0, max_tokens=spec["n"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in spec["ids"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
@@ -33,15 +43,7 @@ def main(spec: dict) -> dict:
     outs = llm.generate(prompts, sp)
     gen_s = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    params_mb = None
-    if spec.get("params"):
-        # Bytes of the model's parameters and buffers as vLLM holds them (int8/int4 when kept). Weights
-        # a kernel prepacked and dropped from the module (oneDNN W8A8) are not counted here.
-        def _size(m) -> int:  # noqa: ANN001 - a torch module
-            return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-
-        params_mb = llm.apply_model(_size)[0] / 2**20
-    return {"tokens": tokens, "params_mb": params_mb, "load_s": load_s, "gen_s": gen_s,
+    return {"tokens": tokens, "rss_loaded_mb": rss_loaded_mb, "load_s": load_s, "gen_s": gen_s,
             "tok_s": sum(len(t) for t in tokens) / gen_s if gen_s else 0.0,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "children_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
