@@ -22,18 +22,6 @@ def _vm_rss_mb() -> float | None:
         return None
 
 
-def _schemes(model) -> dict:  # noqa: ANN001 - a torch module
-    """The quantization scheme vLLM chose for each kind of linear layer (class names only).
-
-    Module level: apply_model pickles it by reference into the engine process."""
-    out: dict = {}
-    for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf.endswith("_proj") and leaf not in out:
-            out[leaf] = type(getattr(mod, "scheme", getattr(mod, "quant_method", None))).__name__
-    return out
-
-
 def main(spec: dict) -> dict:
     """Start ``vllm.LLM`` as ``spec`` says, decode greedily, return tokens and figures."""
     from vllm import LLM, SamplingParams
@@ -55,7 +43,12 @@ def main(spec: dict) -> dict:
     outs = llm.generate(prompts, sp)
     gen_s = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    probe = llm.apply_model(_schemes)[0] if spec.get("probe") else None
+    if spec.get("probe"):
+        from _vllm_probe import schemes  # tests/ is sys.path[0] here and in the engine's processes
+
+        probe = llm.apply_model(schemes)[0]
+    else:
+        probe = None
     return {"tokens": tokens, "rss_loaded_mb": rss_loaded_mb, "probe": probe, "load_s": load_s, "gen_s": gen_s,
             "tok_s": sum(len(t) for t in tokens) / gen_s if gen_s else 0.0,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
