@@ -87,3 +87,12 @@ def test_kept_int4_tensors_unpack_with_vllms_own_helpers() -> None:
         q = unpack_quantized_values_into_int32(torch.from_numpy(got[f"{mod}.weight_packed"]), scalar_types.uint4b8, 1)
         vals = (q.float() - scalar_types.uint4b8.bias) * torch.from_numpy(got[f"{mod}.weight_scale"]).repeat_interleave(32, 1)
         assert torch.equal(vals, torch.from_numpy(want[name])), name
+
+
+def test_prepare_cli_quantized_keep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cmf.integrations.vllm.__main__ import main
+
+    src = H.converted("qwen3", "q8")
+    assert main(["prepare", str(src), "--quantized", "keep", "--cache-dir", str(tmp_path)]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder.name.endswith("-keep") and read_source(folder)["quantized"] == "keep"

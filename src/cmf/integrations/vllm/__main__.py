@@ -15,8 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("prepare", help="write (or find) the config/tokenizer folder for a .cmf")
     pp.add_argument("model", metavar="MODEL.cmf")
     pp.add_argument("--cache-dir", help="where folders are kept (default $PYCMF_VLLM_CACHE or ~/.cache/pycmf/vllm)")
+    pp.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                    help="keep: q8_row / 4-bit group weights stay integers in vLLM (docs/SCALING.md)")
     args = p.parse_args(argv)
-    print(prepare(args.model, cache_dir=args.cache_dir))
+    print(prepare(args.model, cache_dir=args.cache_dir, quantized=args.quantized))
     return 0
 
 
