@@ -96,3 +96,39 @@ def test_prepare_cli_quantized_keep(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["prepare", str(src), "--quantized", "keep", "--cache-dir", str(tmp_path)]) == 0
     folder = Path(capsys.readouterr().out.strip())
     assert folder.name.endswith("-keep") and read_source(folder)["quantized"] == "keep"
+
+
+def test_kept_config_must_match_the_file(tmp_path: Path) -> None:
+    """A keep folder made for one file (or skill) is refused for another whose kept layers differ."""
+    from cmf.integrations.vllm import UnsupportedSelection
+    from cmf.integrations.vllm.weights import check_kept_config
+
+    q8, q4 = H.converted("qwen3", "q8"), H.converted("qwen3", "q4tp")
+    cfg = json.loads((prepare(q8, cache_dir=tmp_path, quantized="keep") / "config.json").read_text())
+    with cmf.open(q8) as f:
+        check_kept_config(f, None, cfg["quantization_config"], "folder")  # its own file: fine
+    with cmf.open(q4) as f, pytest.raises(UnsupportedSelection, match="does not match"):
+        check_kept_config(f, None, cfg["quantization_config"], "folder")
+
+
+
+def test_keep_folder_per_skill(tmp_path: Path) -> None:
+    """A skill's tensors may be stored in other dtypes than the backbone's: keep folders are per skill."""
+    import skill_fixtures as SF
+    from cmf.cli import main as cli_main
+    from cmf.convert import convert
+
+    base = SF.build_base(tmp_path / "base")
+    donor = SF.build_donor(base, tmp_path / "donor", (1,), seed=5)
+    convert(base, tmp_path / "base.cmf", quant="q8")
+    m = tmp_path / "m.cmf"
+    assert cli_main(["skill", "add", str(tmp_path / "base.cmf"), "--from", str(donor), "--id", "d1",
+                     "--layers", "1", "--tensors", "all", "-o", str(m)]) == 0
+    plain = prepare(m, cache_dir=tmp_path / "c", quantized="keep")
+    skilled = prepare(m, cache_dir=tmp_path / "c", quantized="keep", skill="d1")
+    assert skilled.name.startswith(plain.name + "-d1-") and read_source(skilled)["skill"] == "d1"
+    from cmf.integrations.vllm.weights import check_kept_config
+
+    cfg = json.loads((skilled / "config.json").read_text())
+    with cmf.open(m) as f:
+        check_kept_config(f, "d1", cfg.get("quantization_config"), "folder")

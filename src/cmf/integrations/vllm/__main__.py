@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--cache-dir", help="where folders are kept (default $PYCMF_VLLM_CACHE or ~/.cache/pycmf/vllm)")
     pp.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
                     help="keep: q8_row / 4-bit group weights stay integers in vLLM (docs/SCALING.md)")
+    pp.add_argument("--skill", help="with --quantized keep: the skill to be served (its tensors' dtypes count)")
     args = p.parse_args(argv)
-    print(prepare(args.model, cache_dir=args.cache_dir, quantized=args.quantized))
+    print(prepare(args.model, cache_dir=args.cache_dir, quantized=args.quantized, skill=args.skill))
     return 0
 
 

@@ -65,7 +65,7 @@ def resolve_model(model: str, tokenizer: str | None, served_model_name: str | li
         raise NotACmfFile(f"{model}: not a CMF file (it does not start with {MAGIC!r}); load_format='cmf' serves "
                           "a .cmf file or a folder made by cmf.integrations.vllm.prepare()")
     opts = LoaderOptions.from_extra(extra)
-    folder = str(prepare(p, cache_dir=cache_dir, quantized=opts.quantized))
+    folder = str(prepare(p, cache_dir=cache_dir, quantized=opts.quantized, skill=opts.skill))
     if tokenizer is None or _same_path(tokenizer, p):
         tokenizer = folder
     if served_model_name is None:

@@ -28,7 +28,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from ...format.reader import open as cmf_open
 from .errors import UnsupportedSelection
 from .materialize import check_fresh, read_source
-from .weights import LoaderOptions, check_integrity, check_task, iter_hf_tensors
+from .weights import LoaderOptions, check_integrity, check_kept_config, check_task, iter_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ class CmfModelLoader(BaseModelLoader):
             if task is not None:
                 log.info("%s: task mask %r restricts nothing; served as is", path, task)
             mode = _mode(model_config, self.options, rec)
+            if mode == "keep":
+                check_kept_config(f, self.options.skill, getattr(model_config.hf_config, "quantization_config", None),
+                                  str(model_config.model))
             if mode == "keep" and dtype != torch.float32:
                 log.warning("cmf: quantized=keep at %s: vLLM holds int4 group scales in the serving dtype, so "
                             "q4tp (and at bfloat16 every 4-bit) scale is rounded; float32 keeps them exact", dtype)

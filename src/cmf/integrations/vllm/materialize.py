@@ -60,11 +60,12 @@ def _source_record(f: CmfFile) -> dict[str, Any]:
             "shards": [str(Path(p).resolve()) for p in f.paths], "pycmf": __version__}
 
 
-def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize") -> dict[str, Any]:
+def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize", skill: str | None = None) -> dict[str, Any]:
     """Write the config/tokenizer files of ``f`` (as ``cmf export`` does, no weights) into ``out``.
 
     ``quantized="keep"`` adds the compressed-tensors ``quantization_config`` of the weights the
-    loader will hand over as integers (:mod:`.quantized`); the rest of config.json is the export's.
+    loader will hand over as integers (:mod:`.quantized`), with ``skill``'s tensors in place of
+    the backbone's (their dtypes decide too); the rest of config.json is the export's.
     """
     if f.is_skill_file:
         raise UnsupportedSelection(f"{f.path}: a standalone skill file is not a model; graft it onto its base "
@@ -79,7 +80,7 @@ def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize") -> dict[s
         from .quantized import quantization_config
         from .weights import kept_plan
 
-        plan = kept_plan(f)
+        plan = kept_plan(f, skill)
         qc = quantization_config(plan)
         kept = len(plan)
         if qc is not None:
@@ -92,19 +93,21 @@ def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize") -> dict[s
     rec = _source_record(f)
     rec["model_type"] = mt
     rec["quantized"] = quantized
+    rec["skill"] = skill if quantized == "keep" else None
     rec["kept"] = kept
     _write_json(out / SOURCE_FILE, rec)
     return rec
 
 
 def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
-            quantized: str | None = None) -> Path:
+            quantized: str | None = None, skill: str | None = None) -> Path:
     """The materialised folder for ``path`` (a .cmf, any shard of a set), written if missing.
 
     Pass the folder as vLLM's ``model`` with ``load_format="cmf"``: the loader reads the weights
     from the CMF file recorded in it. Idempotent and cheap once written (opens the file, compares
     the header hash). ``quantized``: ``dequantize`` (default) or ``keep`` (int8/int4 weights stay
-    integers in vLLM, :mod:`.quantized`); each mode has its own folder (``<key>-keep``).
+    integers in vLLM, :mod:`.quantized`); each mode has its own folder (``<key>-keep``, and
+    ``<key>-keep-<skill>`` with a skill, whose tensors may be stored in other dtypes).
     """
     from .quantized import MODES
 
@@ -113,7 +116,9 @@ def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
         raise UnsupportedSelection(f"quantized={quantized!r}: choose one of {', '.join(MODES)}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     with cmf_open(path) as f:
-        key = file_key(f) + ("-keep" if quantized == "keep" else "")
+        key = file_key(f)
+        if quantized == "keep":
+            key += "-keep" + (f"-{_safe(skill)}" if skill else "")
         folder = root / key
         rec_path = folder / SOURCE_FILE
         if rec_path.is_file():
@@ -126,7 +131,7 @@ def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=root))
         try:
-            write_folder(f, tmp, quantized)
+            write_folder(f, tmp, quantized, skill if quantized == "keep" else None)
             if folder.exists():
                 # Same header, other path (a copy of the file): the newest preparation wins.
                 shutil.rmtree(folder, ignore_errors=True)
@@ -139,6 +144,11 @@ def prepare(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("%s: vLLM folder %s", path, folder)
     return folder
+
+
+def _safe(name: str) -> str:
+    """A skill id as a folder-name part (ids are free text)."""
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in name)[:64] + f"-{hash64(name.encode()) & 0xFFFF:04x}"
 
 
 def read_source(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ...convert.export import _Out, _values, config_for, tensor_plan
 from ...convert.mla_layout import export_layout
 from ...format.reader import CmfFile, QTensor
 from .errors import IntegrityRefused, UnsupportedSelection
-from .quantized import MODES, kept_arrays, plan_kept
+from .quantized import MODES, kept_arrays, plan_kept, quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,17 @@ def kept_plan(file: CmfFile, skill: str | None = None) -> dict[str, tuple[str, s
     """HF weight name -> (scheme, CMF tensor) of the weights ``quantized: keep`` serves as integers."""
     view, plan, mla, _ = hf_plan(file, skill)
     return plan_kept(view, plan, mla)  # type: ignore[arg-type]
+
+
+def check_kept_config(file: CmfFile, skill: str | None, have: Mapping[str, Any] | None, where: str) -> None:
+    """Refuse when the layers vLLM built quantized (``have``, the folder's quantization_config) are
+    not the ones ``file`` (with ``skill``) keeps: vLLM would get integers for a float layer or back."""
+    want = quantization_config(kept_plan(file, skill)) or {}
+    if dict(have or {}).get("config_groups") != want.get("config_groups"):
+        raise UnsupportedSelection(f"{where}: the folder's quantization_config does not match the int8/int4 weights "
+                                   f"of {file.path}{f' with skill {skill!r}' if skill else ''}; prepare the folder for "
+                                   "this file and skill (prepare(path, quantized='keep', skill=...)) or pass the .cmf "
+                                   "itself as model")
 
 
 def iter_hf_tensors(file: CmfFile, skill: str | None = None,
