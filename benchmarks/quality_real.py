@@ -58,6 +58,22 @@ def texts(work: Path) -> tuple[Path, Path]:
     return calib, ev
 
 
+def gpt2_split(tok):  # noqa: ANN001, ANN201 - cmf.runtime.tokenizer.Tokenizer
+    """SmolLM2's tokenizer without its digit-split step (what an import made before that step)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from cmf.runtime.tokenizer import Tokenizer as CmfTokenizer
+
+    spec = json.loads(tok.backend.to_str())
+    pre = spec["pre_tokenizer"]
+    if pre.get("type") == "Sequence":
+        spec["pre_tokenizer"] = next(p for p in pre["pretokenizers"] if p["type"] == "ByteLevel")
+    return CmfTokenizer(Tokenizer.from_str(json.dumps(spec)), eos_ids=tok.eos_ids, bos_id=tok.bos_id,
+                        source="gpt2-split")
+
+
 def llama_ppl(gguf: Path, ids: list[int], window: int, chunks: int) -> float:
     from llama_cpp import Llama
 
@@ -118,6 +134,12 @@ def main() -> None:
     ap.add_argument("--llama-known", default="", metavar="TYPE=MB:PPL,...",
                     help="llama.cpp files measured in an earlier run on the same protocol (RESULTS.md), used as "
                          "rows and targets without llama.cpp installed, e.g. 'Q4_K_M imatrix=105.5:19.160'")
+    ap.add_argument("--sensitivity-tokens", type=int, default=None, metavar="N",
+                    help="tokens each matrix's sensitivity is measured on for the --target-mb files "
+                         "(default: cmf.calib.DEFAULT_SENSITIVITY_TOKENS; 0: summed relative error, as before)")
+    ap.add_argument("--gpt2-ids", action="store_true",
+                    help="score on the ids of the tokenizer with the GPT-2 split (no digit split): the ids "
+                         "the llama.cpp figures of 2026-12-01 were measured on (f32 18.398)")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
@@ -138,7 +160,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "cmf.cli", "import-gguf", str(fetch()), "-o", str(f32),
                         "--quant", "f32"], check=True, capture_output=True)
     with cmf.load(f32) as m:
-        ids = encode_text(m.tokenizer, eval_text.read_text())
+        ids = encode_text(gpt2_split(m.tokenizer) if args.gpt2_ids else m.tokenizer, eval_text.read_text())
     chunks = min(args.chunks, len(ids) // args.window)
     rows: list[tuple[str, str, float, float]] = []  # engine, file, MB, PPL
     imatrix_s = 0.0
@@ -152,7 +174,10 @@ def main() -> None:
     ours(f32, "f32")
     t = time.time()
     pycmf_profiles = [x for x in args.pycmf.split(",") if x]
-    cal = calib.collect(f32, calib_text, max_tokens=args.calib_tokens) if pycmf_profiles or not args.no_targets else None
+    sens = 0 if args.no_targets else (calib.DEFAULT_SENSITIVITY_TOKENS if args.sensitivity_tokens is None
+                                      else args.sensitivity_tokens)
+    cal = calib.collect(f32, calib_text, max_tokens=args.calib_tokens, sensitivity_tokens=sens) \
+        if pycmf_profiles or not args.no_targets else None
     calib_s = time.time() - t
     for q in pycmf_profiles:
         for with_cal in (False, True):
@@ -212,9 +237,11 @@ def main() -> None:
     imatrix_note = (f"with (llama-imatrix on the same text, {imatrix_s:.0f} s) and without an importance matrix"
                     if args.llama_bin else "without an importance matrix")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    sens_note = f", with each matrix's sensitivity on {sens} tokens" if sens else ""
     entry = (f"### {stamp} — {machine()}\n\n"
              f"SmolLM2-135M-Instruct f32 (imported from the Q4_1 GGUF) as the source; calibration "
-             f"{cal.tokens if cal else args.calib_tokens} tokens of licence texts ({calib_s:.0f} s); evaluation `man bash`, {chunks} windows "
+             f"{cal.tokens if cal else args.calib_tokens} tokens of licence texts ({calib_s:.0f} s{sens_note}); "
+             f"evaluation `man bash`{' (GPT-2 split ids)' if args.gpt2_ids else ''}, {chunks} windows "
              f"of {args.window}. llama.cpp {imatrix_note}. {time.time() - t0:.0f} s in all.\n\n"
              f"{body}\n\n" + "\n".join(wins) + "\n")
     print(entry)

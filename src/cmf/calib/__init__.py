@@ -26,7 +26,8 @@ from ..format.errors import CmfError
 from .encoding import calibrated_dtypes, encode
 from .stats import Collector, InputStats, Recorder
 
-__all__ = ["Calibration", "CalibrationError", "DEFAULT_MAX_TOKENS", "DEFAULT_WINDOW", "MIN_TOKENS", "collect",
+__all__ = ["Calibration", "CalibrationError", "DEFAULT_MAX_TOKENS", "DEFAULT_SENSITIVITY_TOKENS", "DEFAULT_WINDOW",
+           "MIN_TOKENS", "collect",
            "calibrated_dtypes", "encode"]
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 MIN_TOKENS = 1024  # below this the statistics are noise: refused (docs/QUANT.md)
 DEFAULT_MAX_TOKENS = 16384  # ~10 s of prefill for a 135M model on 2 cores; more measured no better
 DEFAULT_WINDOW = 512
+DEFAULT_SENSITIVITY_TOKENS = 128  # the sample each matrix is probed on (budgets only; docs/QUANT.md)
 DEFAULT_MAX_HESSIAN_BYTES = 4 << 30  # full Hessians kept up to this total; the rest get the diagonal
 _READ_CHUNK = 1 << 16
 
@@ -53,6 +55,9 @@ class Calibration:
     windows: int
     window: int
     diagonal_only: list[str] = field(default_factory=list)
+    # {matrix: KL per unit relative output error} when measured (sensitivity.measure); the
+    # target-size budget weighs each matrix's candidates by it
+    sensitivity: dict[str, float] = field(default_factory=dict)
 
     def get(self, name: str) -> InputStats | None:
         """The statistics of matrix ``name`` (None: the calibration never ran it)."""
@@ -115,11 +120,14 @@ def token_windows(tokenizer, path: str | os.PathLike, window: int, max_tokens: i
 
 def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
             max_tokens: int = DEFAULT_MAX_TOKENS, max_hessian_bytes: int = DEFAULT_MAX_HESSIAN_BYTES,
-            progress: Callable[[int], None] | None = None) -> Calibration:
+            progress: Callable[[int], None] | None = None, sensitivity_tokens: int = 0,
+            sensitivity_progress: Callable[[int], None] | None = None) -> Calibration:
     """Run the CMF model ``model`` over ``text`` and collect every decoder matrix's input statistics.
 
     ``progress(n)`` is called with the tokens of each window done. The token table and the output
     head are not recorded (they are stored q8_row under the sub-8-bit quants, docs/QUANT.md).
+    ``sensitivity_tokens`` > 0 also measures each matrix's sensitivity on that many tokens of the
+    text (:mod:`.sensitivity`: one forward pass per matrix; ``sensitivity_progress(1)`` each).
     """
     from ..runtime.model import load
 
@@ -158,10 +166,20 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
                     progress(len(ids))
         finally:
             del w.linear
+        sens: dict[str, float] = {}
+        if sensitivity_tokens > 0:
+            from .sensitivity import measure
+
+            def hessian(name: str):  # noqa: ANN202 - as the budget's candidates see it
+                st = collector.stats.get(name)
+                return st.mean_hessian() if st is not None else None
+
+            sens = measure(m, wins, sorted(collector.stats), hessian, tokens=sensitivity_tokens,
+                           progress=sensitivity_progress)
     if collector.diagonal_only:
         log.warning("calibration: %d matrices past the %.1f GB Hessian budget get importance only (no error "
                     "feedback)", len(collector.diagonal_only), max_hessian_bytes / 1e9)
     log.info("calibration: %d tokens in %d windows, %d matrices, %.0f MB of Hessians", tokens, len(wins),
              len(collector.stats), collector.hessian_bytes / 1e6)
     return Calibration(collector.stats, Path(text).name, digest.hexdigest(), tokens, len(wins), window,
-                       collector.diagonal_only)
+                       collector.diagonal_only, sens)

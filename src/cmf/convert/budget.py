@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..calib.sensitivity import relative_loss
 from .errors import ConvertError
 
 log = logging.getLogger(__name__)
@@ -109,20 +110,12 @@ def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int)
     return int(bpw * total_weights / 8)  # type: ignore[operator]
 
 
-def relative_loss(w: np.ndarray, got: np.ndarray, hessian: np.ndarray | None) -> float:
-    """tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) (H = I when None)."""
-    w = np.asarray(w, np.float64)
-    d = w - np.asarray(got, np.float64)
-    if hessian is None:
-        den = float((w * w).sum())
-        return float((d * d).sum()) / den if den > 0 else 0.0
-    den = float(((w @ hessian) * w).sum())
-    return float(((d @ hessian) * d).sum()) / den if den > 0 else 0.0
-
-
-def candidates(w: np.ndarray, stats, options: dict[str, Any]) -> list[Candidate]:  # noqa: ANN001
+def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
+               sensitivity: float | None = None) -> list[Candidate]:
     """Each ladder rung's payload size and predicted loss for one matrix (its encoder options:
-    the rung's own, and the policy's ``encoder`` choice for the tile formats)."""
+    the rung's own, and the policy's ``encoder`` choice for the tile formats). ``sensitivity``:
+    the matrix's measured KL per unit relative error (:mod:`cmf.calib.sensitivity`), which
+    scales every rung's loss; None leaves the relative error as it is."""
     from .. import calib, quant
 
     hess = stats.mean_hessian() if stats is not None else None
@@ -133,6 +126,8 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any]) -> list[Candidate]
             opts["encoder"] = options["encoder"]
         data = calib.encode(w, rung.dtype, stats, **opts)
         loss = relative_loss(w, quant.decode(data, rung.dtype, w.shape), hess)
+        if sensitivity is not None:
+            loss *= sensitivity
         out.append(Candidate(rung.dtype, len(data), loss, dict(rung.options), rung.label))
     return out
 
@@ -181,6 +176,12 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
     return plan
 
 
+def sensitivity_of(calibration, name: str) -> float | None:  # noqa: ANN001 - a calib.Calibration
+    """The measured sensitivity of matrix ``name`` when the calibration has one (``--sensitivity``)."""
+    table = getattr(calibration, "sensitivity", None)
+    return table.get(name) if table else None
+
+
 def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
                 budget: int, calibration=None, progress: Callable[[int], None] | None = None,  # noqa: ANN001
                 cache: dict[str, list[Candidate]] | None = None) -> BudgetPlan:
@@ -194,7 +195,8 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
             cands[name] = cache[name]
             continue
         w = load()
-        cands[name] = candidates(w, calibration.get(name) if calibration is not None else None, opts)
+        stats = calibration.get(name) if calibration is not None else None
+        cands[name] = candidates(w, stats, opts, sensitivity_of(calibration, name))
         if cache is not None:
             cache[name] = cands[name]
         if progress is not None:

@@ -21,6 +21,16 @@ from .errors import ConvertError
 log = logging.getLogger(__name__)
 
 
+def sensitivity_tokens_for(tokens: int | None, target_mb: float | None, bpw: float | None) -> int:
+    """Tokens of the sensitivity measurement: ``tokens`` when given, else the default sample when
+    a target size is set (its budget is the only user), else 0 (none)."""
+    if tokens is not None:
+        if tokens < 0:
+            raise calib.CalibrationError(f"--sensitivity-tokens {tokens} must be >= 0")
+        return tokens
+    return calib.DEFAULT_SENSITIVITY_TOKENS if target_mb is not None or bpw is not None else 0
+
+
 def check_text(text: str | os.PathLike) -> Path:
     """Fail before any work when the calibration text is missing, a folder, unreadable or empty."""
     path = Path(text)
@@ -37,11 +47,13 @@ def check_text(text: str | os.PathLike) -> Path:
 
 def calibrate_source(write_f16: Callable[[Path], None], text: str | os.PathLike, work_dir: Path, *,
                      tokens: int = calib.DEFAULT_MAX_TOKENS, window: int = calib.DEFAULT_WINDOW,
-                     progress: Callable[[int], None] | None = None) -> calib.Calibration:
+                     progress: Callable[[int], None] | None = None,
+                     sensitivity_tokens: int = 0) -> calib.Calibration:
     """Calibration statistics on ``text`` of the model that ``write_f16(path)`` writes as an f16
     CMF file (the converter's own plan of the source, with the arch keys the real conversion
     adds, such as import-gguf's ``rope_freq_factors``, so the calibrated model is the one being
-    written); see the module docstring."""
+    written); see the module docstring. ``sensitivity_tokens`` > 0 also measures each matrix's
+    sensitivity (:mod:`cmf.calib.sensitivity`), for a target-size budget."""
     text = check_text(text)
     if not work_dir.is_dir():
         raise ConvertError(f"{work_dir}: output folder does not exist")
@@ -51,6 +63,7 @@ def calibrate_source(write_f16: Callable[[Path], None], text: str | os.PathLike,
     try:
         log.info("calibration: writing the source at f16 to %s", tmp)
         write_f16(tmp)
-        return calib.collect(tmp, text, window=window, max_tokens=tokens, progress=progress)
+        return calib.collect(tmp, text, window=window, max_tokens=tokens, progress=progress,
+                             sensitivity_tokens=sensitivity_tokens)
     finally:
         tmp.unlink(missing_ok=True)

@@ -330,15 +330,17 @@ def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant
     calib = convert_options.pop("calib", None)
     calib_tokens = convert_options.pop("calib_tokens", None)
     calib_progress = convert_options.pop("calib_progress", None)
+    sensitivity_tokens = convert_options.pop("sensitivity_tokens", None)
     target_mb, bpw = convert_options.pop("target_mb", None), convert_options.pop("bpw", None)
     if target_mb is not None or bpw is not None:
         from .budget import target_bytes
 
         target_bytes(target_mb, bpw, 1)  # a bad value fails before the import's work
     if calib is not None:
-        from .calibrate import check_text
+        from .calibrate import check_text, sensitivity_tokens_for
 
         check_text(calib)  # before the import's work
+        sensitivity_tokens = sensitivity_tokens_for(sensitivity_tokens, target_mb, bpw)
     out = Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-import-", dir=out.parent if out.parent.is_dir() else None))
     try:
@@ -352,7 +354,7 @@ def import_gguf(path: str | os.PathLike[str], out: str | os.PathLike[str], quant
         prov.update(source_model=Path(path).name, source_format="gguf")
         if calib is not None:
             attach_calibration(p, tmp, calib, out.parent if out.parent.is_dir() else Path("."),
-                               tokens=calib_tokens, progress=calib_progress)
+                               tokens=calib_tokens, progress=calib_progress, sensitivity_tokens=sensitivity_tokens)
         if target_mb is not None or bpw is not None:
             fit_budget(p, target_mb, bpw)
         result = execute(p, out)

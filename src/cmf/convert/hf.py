@@ -281,7 +281,8 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
             dry_run: bool = False, revision: str | None = None,
             progress: Callable[[int], None] | None = None, calib: str | os.PathLike[str] | None = None,
             calib_tokens: int | None = None, calib_progress: Callable[[int], None] | None = None,
-            target_mb: float | None = None, bpw: float | None = None) -> ConvertResult | Plan:
+            target_mb: float | None = None, bpw: float | None = None,
+            sensitivity_tokens: int | None = None) -> ConvertResult | Plan:
     """Convert a Hugging Face checkpoint (local folder or hub id) into a CMF file.
 
     ``quant``: f32, f16, bf16, q8, q8_2f, q4, q4t, q4tp, q2tp (profile), vbit, q1, q1p, q1s, q1t;
@@ -290,7 +291,9 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
     ``shard_max_gb``: split the output into shards of at most this many GB; ``calib``: a text the
     model is run on first, for activation-aware encoding (convert/calibrate.py; ``calib_tokens``
     caps the tokens used, ``calib_progress(n)`` gets the tokens of each window done);
-    ``target_mb`` / ``bpw``: fit the whole file in a budget (cmf.convert.budget.apply_to_plan).
+    ``target_mb`` / ``bpw``: fit the whole file in a budget (cmf.convert.budget.apply_to_plan),
+    weighing each matrix by its measured sensitivity on ``sensitivity_tokens`` tokens of the
+    calibration text (default: 128 with a target, 0 = not measured; cmf.calib.sensitivity).
     With ``dry_run`` nothing is written and the :class:`Plan` is returned; otherwise a
     :class:`ConvertResult`.
     """
@@ -303,8 +306,11 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
         return p
     assert out is not None
     if calib is not None:
+        from .calibrate import sensitivity_tokens_for
+
         attach_calibration(p, model, calib, Path(out).parent, revision=revision, tokens=calib_tokens,
-                           progress=calib_progress)
+                           progress=calib_progress,
+                           sensitivity_tokens=sensitivity_tokens_for(sensitivity_tokens, target_mb, bpw))
     if target_mb is not None or bpw is not None:
         fit_budget(p, target_mb, bpw)
     return execute(p, out, progress)
@@ -323,7 +329,7 @@ def fit_budget(p: Plan, target_mb: float | None, bpw: float | None) -> None:
 
 def attach_calibration(p: Plan, source: str | os.PathLike[str], text: str | os.PathLike[str], work_dir: Path, *,
                        revision: str | None = None, tokens: int | None = None,
-                       progress: Callable[[int], None] | None = None) -> None:
+                       progress: Callable[[int], None] | None = None, sensitivity_tokens: int = 0) -> None:
     """Collect calibration statistics of ``source`` on ``text`` into the plan (and its provenance)."""
     from .. import calib as _calib
     from .calibrate import calibrate_source
@@ -337,7 +343,7 @@ def attach_calibration(p: Plan, source: str | os.PathLike[str], text: str | os.P
             execute(p16, path)
 
         cal = calibrate_source(write_f16, text, work_dir, tokens=tokens or _calib.DEFAULT_MAX_TOKENS,
-                               progress=progress)
+                               progress=progress, sensitivity_tokens=sensitivity_tokens)
     except BaseException:
         p.close()
         raise

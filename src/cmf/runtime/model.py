@@ -214,6 +214,53 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         """Full-sequence logits [len, vocab] (float32) from a fresh cache."""
         return self.prefill(token_ids, self.new_cache(), all_logits=True)
 
+    # -- one layer at a time (measurements: cmf.calib.sensitivity) ---------------------------------
+    def layer_inputs(self, token_ids: list[int] | np.ndarray) -> list[np.ndarray]:
+        """What each layer receives for ``token_ids`` run as one chunk from position 0 (copies)."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        cache = self.new_cache()
+        x = self.weights.rows(self.plan.embed, ids)
+        if self.plan.embed_multiplier != 1.0:
+            x *= np.float32(self.plan.embed_multiplier)
+        out = []
+        for block, state in zip(self._blocks, cache.layers):
+            out.append(np.array(x, dtype=np.float32, copy=True))
+            x = block(x, state, 0)
+        return out
+
+    def logits_from(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Logits of every position when layer ``layer`` receives ``x`` (a chunk from position 0):
+        the layers before it are not run."""
+        cache = self.new_cache()
+        x = np.array(x, dtype=np.float32, copy=True)
+        for block, state in zip(self._blocks[layer:], cache.layers[layer:]):
+            x = block(x, state, 0)
+        if self._final_norm is not None:
+            x = rms_norm_rows(x, self._final_norm, self.plan.eps)
+        return self.project(x)
+
+    def rebuild_layer(self, layer: int) -> set[str]:
+        """Rebuild layer ``layer`` from what ``weights.linear`` returns now (a caller may have
+        replaced it); returns the names of the matrices it took."""
+        w = self.weights
+        hooked = "linear" in vars(w)  # a caller's replacement, to put back as it was
+        take = w.linear
+        names: set[str] = set()
+
+        def linear(name: str):  # noqa: ANN202 - a LinearOp
+            names.add(name)
+            return take(name)
+
+        w.linear = linear
+        try:
+            self._blocks[layer] = self._make_block(self.plan.layers[layer])
+        finally:
+            if hooked:
+                w.linear = take
+            else:
+                del w.linear
+        return names
+
     # -- generation ------------------------------------------------------------------------------
     def stream(self, prompt, **kwargs):
         """Yield GenerationResponse deltas (see cmf.runtime.generate.stream_generate). Under an

@@ -8,7 +8,7 @@ import contextlib
 import sys
 from typing import Callable, Iterator
 
-from ..calib import DEFAULT_MAX_TOKENS, MIN_TOKENS
+from ..calib import DEFAULT_MAX_TOKENS, DEFAULT_SENSITIVITY_TOKENS, MIN_TOKENS
 
 
 def add_calib_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,10 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
                            "vbit 5 or 6 bits, q8_row), whichever mix loses least (predicted from --calib when given)")
     size.add_argument("--bpw", type=float, metavar="B",
                       help="as --target-mb, as file bits per weight (file size × 8 / all tensor elements)")
+    p.add_argument("--sensitivity-tokens", type=int, default=None, metavar="N",
+                   help="with --calib and a target size: measure how much each matrix's quantization error "
+                        "moves the output on N tokens of the text (one forward pass per matrix) and weigh "
+                        f"the budget by it (default {DEFAULT_SENSITIVITY_TOKENS}; 0: do not measure)")
 
 
 @contextlib.contextmanager

@@ -89,8 +89,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.calib is not None:
             with calib_progress(args) as cal_bar:
+                from ..convert.calibrate import sensitivity_tokens_for
+
                 hf.attach_calibration(plan, args.model, args.calib, Path(args.output).parent, revision=args.revision,
-                                      tokens=args.calib_tokens, progress=cal_bar)
+                                      tokens=args.calib_tokens, progress=cal_bar,
+                                      sensitivity_tokens=sensitivity_tokens_for(args.sensitivity_tokens,
+                                                                                args.target_mb, args.bpw))
         if args.target_mb is not None or args.bpw is not None:
             hf.fit_budget(plan, args.target_mb, args.bpw)
         result = hf.execute(plan, args.output, progress=bar.update if bar is not None else None)

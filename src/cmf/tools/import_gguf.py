@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     with calib_progress(args) as cal_bar:
         res = import_gguf(args.file, args.output, args.quant, tokenizer=args.tokenizer, calib=args.calib,
                           calib_tokens=args.calib_tokens, calib_progress=cal_bar, target_mb=args.target_mb,
-                          bpw=args.bpw)
+                          bpw=args.bpw, sensitivity_tokens=args.sensitivity_tokens)
     paths = [str(p) for p in res.paths]
     data = {"files": paths, "tensors": res.tensors, "bytes": res.bytes}
     if args.json:

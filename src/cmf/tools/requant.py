@@ -112,15 +112,18 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
             mean_bits: float | None = None, progress: Callable[[int], None] | None = None,
             calib: Any = None, calib_tokens: int | None = None,
             calib_progress: Callable[[int], None] | None = None, target_mb: float | None = None,
-            bpw: float | None = None, budget_cache: dict | None = None) -> dict[str, Any]:
+            bpw: float | None = None, budget_cache: dict | None = None,
+            sensitivity_tokens: int | None = None) -> dict[str, Any]:
     """Re-encode the matrices of ``src`` as ``quant`` into ``dst`` (or in place); returns a report.
 
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
     activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
-    ``target_mb`` / ``bpw``: per-matrix dtypes along q2tp/q4tp/q8_row chosen so the whole file fits
-    (cmf.convert.budget; ``quant`` still decides what stays fixed; ``budget_cache``: a dict
-    reused across calls on one model to measure each candidate once). ``calib`` may also be a
+    ``target_mb`` / ``bpw``: per-matrix dtypes along the ladder (q2tp, q4tp, vbit, q8_row) chosen so
+    the whole file fits (cmf.convert.budget; ``quant`` still decides what stays fixed;
+    ``budget_cache``: a dict reused across calls on one model to measure each candidate once),
+    weighing matrices by their sensitivity measured on ``sensitivity_tokens`` tokens of the
+    calibration text (default 128 with a target and a text, 0 = not measured). ``calib`` may also be a
     :class:`cmf.calib.Calibration` already collected on ``src``. Raises WriterError when
     ``--in-place`` payloads do not fit, HashMismatch for a corrupt
     source, ShardError for an in-place shard set, CalibrationError for an unusable text.
@@ -146,10 +149,11 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
         cal = calib  # a Calibration collected before
     elif calib is not None:
         from .. import calib as _calib
-        from ..convert.calibrate import check_text
+        from ..convert.calibrate import check_text, sensitivity_tokens_for
 
         cal = _calib.collect(src, check_text(calib), max_tokens=calib_tokens or _calib.DEFAULT_MAX_TOKENS,
-                             progress=calib_progress)
+                             progress=calib_progress,
+                             sensitivity_tokens=sensitivity_tokens_for(sensitivity_tokens, target_mb, bpw))
     if in_place:
         try:
             return _in_place(Path(src), quant, include, exclude, mean_bits, progress, cal)
@@ -408,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
                         in_place=args.in_place, mean_bits=args.mean_bits,
                         progress=bar.update if bar is not None else None, calib=args.calib,
                         calib_tokens=args.calib_tokens, calib_progress=cal_bar, target_mb=args.target_mb,
-                        bpw=args.bpw)
+                        bpw=args.bpw, sensitivity_tokens=args.sensitivity_tokens)
     finally:
         if bar is not None:
             bar.close()

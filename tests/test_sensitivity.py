@@ -1,0 +1,135 @@
+"""Measured sensitivity of the output to each matrix (cmf.calib.sensitivity) and its use in budgets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cmf
+from cmf import calib
+from cmf.calib.sensitivity import mean_kl, measure, relative_loss, sample
+from cmf.convert.budget import Candidate, allocate, candidates, sensitivity_of
+from cmf.convert.calibrate import sensitivity_tokens_for
+
+from _shared_models import BASE, SHARED, base_f32  # noqa: F401 - the fixture
+
+CALIB_TEXT = SHARED / "texts" / "man-calib.txt"
+needs_text = pytest.mark.skipif(not CALIB_TEXT.exists(), reason="../shared/models/texts not present")
+
+
+def test_mean_kl_is_zero_for_the_same_distribution_and_positive_otherwise():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((7, 50)).astype(np.float32)
+    lp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    assert mean_kl([lp], [logits]) == pytest.approx(0.0, abs=1e-12)
+    # shifting every logit of a row leaves its distribution as it is
+    assert mean_kl([lp], [logits + 3.0]) == pytest.approx(0.0, abs=1e-9)
+    other = logits + 0.3 * rng.standard_normal(logits.shape).astype(np.float32)
+    q = other - np.log(np.exp(other.astype(np.float64)).sum(-1, keepdims=True))
+    want = float((np.exp(lp) * (lp - q)).sum(-1).mean())
+    assert mean_kl([lp], [other]) == pytest.approx(want, rel=1e-9) and want > 0
+
+
+def test_sample_takes_the_first_tokens_window_by_window():
+    assert sample([[1, 2, 3], [4, 5, 6], [7]], 5) == [[1, 2, 3], [4, 5]]
+    assert sample([[1, 2]], 10) == [[1, 2]]
+
+
+def test_layer_inputs_and_logits_from_match_the_whole_forward(base_f32):
+    ids = list(range(5, 45))
+    with cmf.load(base_f32) as m:
+        full = m.logits(ids)
+        xs = m.layer_inputs(ids)
+        assert len(xs) == len(m.plan.layers)
+        for layer in (0, len(xs) // 2, len(xs) - 1):
+            np.testing.assert_allclose(m.logits_from(layer, xs[layer]), full, rtol=1e-5, atol=1e-5)
+        # a rebuilt layer is the same layer, and says which matrices it takes
+        names = m.rebuild_layer(1)
+        assert names and all(".layers.1." in n for n in names)
+        np.testing.assert_allclose(m.logits(ids), full, rtol=1e-6, atol=1e-6)
+
+
+@needs_text
+def test_measure_gives_finite_sensitivities_and_leaves_the_model_as_it_was(base_f32):
+    with cmf.load(base_f32) as m:
+        ids = list(range(3, 60))
+        before = m.logits(ids)
+        wins = calib.token_windows(m.tokenizer, CALIB_TEXT, 64, 2048)
+        names = [n for n in m.file.keys() if ".layers." in n and n.endswith("proj.weight")]
+        picked = [n for n in names if ".layers.0." in n or ".layers.3." in n]
+        s1 = measure(m, wins, picked, lambda n: None, tokens=64)
+        s2 = measure(m, wins, picked, lambda n: None, tokens=64)
+        assert set(s1) == set(picked)
+        assert all(np.isfinite(v) and v > 0 for v in s1.values()), s1
+        assert s1 == s2  # deterministic
+        assert max(s1.values()) > 2 * min(s1.values())  # matrices differ: what the budget needs to know
+        np.testing.assert_array_equal(m.logits(ids), before)
+        assert "linear" not in vars(m.weights)
+        # the KL it measured is the one a whole forward with the probed matrix gives
+        from cmf import quant
+        from cmf.runtime.weights import DenseLinear
+
+        name = picked[0]
+        dense = m.weights.linear(name).dense()
+        probed = quant.decode(quant.encode(dense, "q4tp"), "q4tp", dense.shape)
+        ref_ids = sample(wins, 64)
+        base = [m.logits(x) for x in ref_ids]
+        plain = m.weights.linear
+        m.weights.linear = lambda n: DenseLinear(probed) if n == name else plain(n)
+        m._prepare()
+        got = [m.logits(x) for x in ref_ids]
+        del m.weights.linear
+        m._prepare()
+        base_lp = [b - np.log(np.exp(b.astype(np.float64) - b.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                   - b.max(-1, keepdims=True) for b in base]
+        kl = mean_kl(base_lp, got)
+        assert s1[name] == pytest.approx(kl / relative_loss(dense, probed, None), rel=1e-3)
+
+
+@needs_text
+def test_collect_measures_every_matrix_when_asked(base_f32):
+    cal = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024, sensitivity_tokens=64)
+    assert set(cal.sensitivity) == set(cal.stats)
+    assert all(v > 0 for v in cal.sensitivity.values())
+    assert sensitivity_of(cal, next(iter(cal.stats))) == cal.sensitivity[next(iter(cal.stats))]
+    plain = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024)
+    assert plain.sensitivity == {} and sensitivity_of(plain, next(iter(plain.stats))) is None
+
+
+def test_the_budget_spends_bytes_on_the_sensitive_matrix():
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((64, 128)) * 0.02).astype(np.float32)
+    plain = candidates(w, None, {})
+    weighted = candidates(w, None, {}, sensitivity=4.0)
+    assert [c.nbytes for c in weighted] == [c.nbytes for c in plain]
+    assert [c.loss for c in weighted] == pytest.approx([4 * c.loss for c in plain])
+
+    def ladder(scale: float) -> list[Candidate]:
+        return [Candidate("q2tp", 200, 1.0 * scale), Candidate("q4tp", 400, 0.1 * scale)]
+
+    # the same relative errors: room for one upgrade goes to the matrix the output feels more
+    assert allocate({"a": ladder(1.0), "b": ladder(3.0)}, 0, 600).choice == {"a": "q2tp", "b": "q4tp"}
+    assert allocate({"a": ladder(3.0), "b": ladder(1.0)}, 0, 600).choice == {"a": "q4tp", "b": "q2tp"}
+
+
+def test_sensitivity_tokens_default_and_refusal():
+    assert sensitivity_tokens_for(None, 10.0, None) == calib.DEFAULT_SENSITIVITY_TOKENS
+    assert sensitivity_tokens_for(None, None, 4.5) == calib.DEFAULT_SENSITIVITY_TOKENS
+    assert sensitivity_tokens_for(None, None, None) == 0
+    assert sensitivity_tokens_for(0, 10.0, None) == 0
+    assert sensitivity_tokens_for(64, None, None) == 64
+    with pytest.raises(calib.CalibrationError, match="--sensitivity-tokens -1 must be >= 0"):
+        sensitivity_tokens_for(-1, 10.0, None)
+
+
+@needs_text
+def test_requant_cli_refuses_a_negative_sample(base_f32, tmp_path):
+    out = tmp_path / "y.cmf"
+    r = subprocess.run([sys.executable, "-m", "cmf.cli", "requant", str(base_f32), "-o", str(out), "--quant", "q4tp",
+                        "--calib", str(CALIB_TEXT), "--target-mb", "3", "--sensitivity-tokens", "-1"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "--sensitivity-tokens -1 must be >= 0" in r.stderr
+    assert not out.exists()
