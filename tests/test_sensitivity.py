@@ -133,3 +133,32 @@ def test_requant_cli_refuses_a_negative_sample(base_f32, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--sensitivity-tokens -1 must be >= 0" in r.stderr
     assert not out.exists()
+
+
+@needs_text
+def test_requant_to_a_target_with_calib_measures_sensitivity_by_default(base_f32, tmp_path, monkeypatch):
+    """The default flow: --calib with a target size measures every matrix (128 tokens) and the
+    file still fits; --sensitivity-tokens 0 skips the measurement."""
+    import cmf.calib.sensitivity as sensitivity
+    from cmf.tools.requant import requant
+
+    calls = []
+    real = sensitivity.measure
+
+    def spy(*a, **k):
+        calls.append(k["tokens"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(sensitivity, "measure", spy)
+    with cmf.load(base_f32) as m:
+        n = sum(t.numel for t in m.file.tensors())
+    out = tmp_path / "six.cmf"
+    requant(base_f32, out, quant="q4tp", calib=CALIB_TEXT, calib_tokens=1024, bpw=6.0)
+    assert calls == [calib.DEFAULT_SENSITIVITY_TOKENS]
+    assert out.stat().st_size <= 6.0 * n / 8
+    with cmf.load(out) as m:
+        kinds = {t.dtype.label for t in m.file.tensors() if len(t.shape) == 2}
+    assert len(kinds & {"q4tp", "vbit", "q8_row", "q2tp"}) >= 2  # a mix, not one rung everywhere
+    requant(base_f32, tmp_path / "off.cmf", quant="q4tp", calib=CALIB_TEXT, calib_tokens=1024, bpw=6.0,
+            sensitivity_tokens=0)
+    assert calls == [calib.DEFAULT_SENSITIVITY_TOKENS]
