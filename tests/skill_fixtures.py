@@ -55,6 +55,21 @@ def build_donor(base: Path, folder: Path, layers: tuple[int, ...], seed: int, sc
     return folder
 
 
+def cmf_with_skill(tmp_path: Path, quant: str, skill: str = "d1") -> tuple[Path, Path]:
+    """A converted base (``quant``) with one skill ``skill`` grafted from a donor that differs in
+    layer 1: (the .cmf with the skill, the donor folder)."""
+    from cmf.cli import main as cli_main
+    from cmf.convert import convert
+
+    base = build_base(tmp_path / "base")
+    donor = build_donor(base, tmp_path / "donor", (1,), seed=5)
+    convert(base, tmp_path / "base.cmf", quant=quant)
+    out = tmp_path / "m.cmf"
+    assert cli_main(["skill", "add", str(tmp_path / "base.cmf"), "--from", str(donor), "--id", skill,
+                     "--layers", "1", "--tensors", "all", "-o", str(out)]) == 0
+    return out, donor
+
+
 def word_prompts(n: int, seed: int) -> list[str]:
     """Prose-like prompts made of the tokenizer's training words."""
     r = random.Random(seed)

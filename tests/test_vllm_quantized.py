@@ -115,15 +115,8 @@ def test_kept_config_must_match_the_file(tmp_path: Path) -> None:
 def test_keep_folder_per_skill(tmp_path: Path) -> None:
     """A skill's tensors may be stored in other dtypes than the backbone's: keep folders are per skill."""
     import skill_fixtures as SF
-    from cmf.cli import main as cli_main
-    from cmf.convert import convert
 
-    base = SF.build_base(tmp_path / "base")
-    donor = SF.build_donor(base, tmp_path / "donor", (1,), seed=5)
-    convert(base, tmp_path / "base.cmf", quant="q8")
-    m = tmp_path / "m.cmf"
-    assert cli_main(["skill", "add", str(tmp_path / "base.cmf"), "--from", str(donor), "--id", "d1",
-                     "--layers", "1", "--tensors", "all", "-o", str(m)]) == 0
+    m, _ = SF.cmf_with_skill(tmp_path, "q8")
     plain = prepare(m, cache_dir=tmp_path / "c", quantized="keep")
     skilled = prepare(m, cache_dir=tmp_path / "c", quantized="keep", skill="d1")
     assert skilled.name.startswith(plain.name + "-d1-") and read_source(skilled)["skill"] == "d1"
