@@ -95,6 +95,8 @@ def test_collect_measures_every_matrix_when_asked(base_f32):
     assert set(cal.sensitivity) == set(cal.stats)
     assert all(v > 0 for v in cal.sensitivity.values())
     assert sensitivity_of(cal, next(iter(cal.stats))) == cal.sensitivity[next(iter(cal.stats))]
+    # a matrix the measurement did not reach takes the median of the others
+    assert sensitivity_of(cal, "not.a.matrix") == pytest.approx(float(np.median(list(cal.sensitivity.values()))))
     plain = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024)
     assert plain.sensitivity == {} and sensitivity_of(plain, next(iter(plain.stats))) is None
 

@@ -116,4 +116,5 @@ def measure(model, windows: Sequence[Sequence[int]], names: Sequence[str], hessi
         if "linear" in vars(w):
             del w.linear
         model._prepare()
+    log.info("sensitivity: %d matrices probed with %s on %d tokens", len(out), probe, sum(map(len, ids)))
     return out

@@ -177,9 +177,16 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
 
 
 def sensitivity_of(calibration, name: str) -> float | None:  # noqa: ANN001 - a calib.Calibration
-    """The measured sensitivity of matrix ``name`` when the calibration has one (``--sensitivity``)."""
+    """The measured sensitivity of matrix ``name`` when the calibration has measured any (None
+    otherwise). A matrix the measurement did not reach (one no layer takes through
+    ``Weights.linear``, such as routed experts) gets the median of the others, so that every loss
+    of one knapsack is on the same scale."""
     table = getattr(calibration, "sensitivity", None)
-    return table.get(name) if table else None
+    if not table:
+        return None
+    if name in table:
+        return table[name]
+    return float(np.median(list(table.values())))
 
 
 def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
