@@ -292,6 +292,17 @@ def _moe_checkpoint(folder: Path) -> Path:
 
 
 @needs_vllm
+def test_vllm_bf16_on_cmf_equals_vllm_on_the_exported_folder(dense: Path, tmp_path: Path) -> None:
+    """At bfloat16 the plugin's tensors (decoded to f32, cast by torch) are the ones vLLM makes of
+    the exported safetensors: the same greedy tokens from the same engine."""
+    folder = prepare(dense, cache_dir=tmp_path / "c")
+    exported = export(dense, tmp_path / "ex").folder
+    on_cmf = run_vllm({"model": str(folder), "load_format": "cmf", "dtype": "bfloat16", "ids": IDS, "n": 12})
+    on_hf = run_vllm({"model": str(exported), "dtype": "bfloat16", "ids": IDS, "n": 12})
+    assert on_cmf["tokens"] == on_hf["tokens"]
+
+
+@needs_vllm
 def test_vllm_moe_greedy_equals_cmf(tmp_path: Path) -> None:
     src = tmp_path / "moe.cmf"
     convert(_moe_checkpoint(tmp_path / "moe"), src, quant="f32")
