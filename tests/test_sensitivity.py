@@ -11,7 +11,7 @@ import pytest
 import cmf
 from cmf import calib
 from cmf.calib.sensitivity import mean_kl, measure, relative_loss, sample
-from cmf.convert.budget import Candidate, allocate, candidates, sensitivity_of
+from cmf.convert.budget import Candidate, allocate, candidates, sensitivity_lookup
 from cmf.convert.calibrate import sensitivity_tokens_for
 
 from _shared_models import BASE, SHARED, base_f32  # noqa: F401 - the fixture
@@ -91,14 +91,22 @@ def test_measure_gives_finite_sensitivities_and_leaves_the_model_as_it_was(base_
 
 @needs_text
 def test_collect_measures_every_matrix_when_asked(base_f32):
-    cal = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024, sensitivity_tokens=64)
+    seen: list[tuple[str, int, int]] = []
+    cal = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024, sensitivity_tokens=64,
+                        progress=lambda *a: seen.append(a))
     assert set(cal.sensitivity) == set(cal.stats)
+    # progress: the tokens run, then one step per matrix probed, each with its stage's total
+    runs = [a for a in seen if a[0] == "calibrate"]
+    probes = [a for a in seen if a[0] == "sensitivity"]
+    assert [a[0] for a in seen] == ["calibrate"] * len(runs) + ["sensitivity"] * len(probes)
+    assert sum(a[1] for a in runs) == cal.tokens and {a[2] for a in runs} == {cal.tokens}
+    assert len(probes) == len(cal.sensitivity) and {a[2] for a in probes} == {len(cal.stats)}
     assert all(v > 0 for v in cal.sensitivity.values())
-    assert sensitivity_of(cal, next(iter(cal.stats))) == cal.sensitivity[next(iter(cal.stats))]
+    assert sensitivity_lookup(cal)(next(iter(cal.stats))) == cal.sensitivity[next(iter(cal.stats))]
     # a matrix the measurement did not reach takes the median of the others
-    assert sensitivity_of(cal, "not.a.matrix") == pytest.approx(float(np.median(list(cal.sensitivity.values()))))
+    assert sensitivity_lookup(cal)("not.a.matrix") == pytest.approx(float(np.median(list(cal.sensitivity.values()))))
     plain = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024)
-    assert plain.sensitivity == {} and sensitivity_of(plain, next(iter(plain.stats))) is None
+    assert plain.sensitivity == {} and sensitivity_lookup(plain)(next(iter(plain.stats))) is None
 
 
 def test_the_budget_spends_bytes_on_the_sensitive_matrix():

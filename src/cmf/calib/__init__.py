@@ -24,9 +24,10 @@ from typing import Callable, Iterator
 
 from ..format.errors import CmfError
 from .encoding import calibrated_dtypes, encode
+from .sensitivity import DEFAULT_SAMPLE_TOKENS
 from .stats import Collector, InputStats, Recorder
 
-__all__ = ["Calibration", "CalibrationError", "DEFAULT_MAX_TOKENS", "DEFAULT_SENSITIVITY_TOKENS", "DEFAULT_WINDOW",
+__all__ = ["Calibration", "CalibrationError", "Progress", "DEFAULT_MAX_TOKENS", "DEFAULT_SENSITIVITY_TOKENS", "DEFAULT_WINDOW",
            "MIN_TOKENS", "collect",
            "calibrated_dtypes", "encode"]
 
@@ -35,9 +36,13 @@ log = logging.getLogger(__name__)
 MIN_TOKENS = 1024  # below this the statistics are noise: refused (docs/QUANT.md)
 DEFAULT_MAX_TOKENS = 16384  # ~10 s of prefill for a 135M model on 2 cores; more measured no better
 DEFAULT_WINDOW = 512
-DEFAULT_SENSITIVITY_TOKENS = 128  # the sample each matrix is probed on (budgets only; docs/QUANT.md)
+DEFAULT_SENSITIVITY_TOKENS = DEFAULT_SAMPLE_TOKENS  # each matrix's probe sample (budgets only; docs/QUANT.md)
 DEFAULT_MAX_HESSIAN_BYTES = 4 << 30  # full Hessians kept up to this total; the rest get the diagonal
 _READ_CHUNK = 1 << 16
+
+#: ``progress(stage, done, total)``: ``done`` more units of ``total`` in ``stage``, which is
+#: "calibrate" (tokens run) or "sensitivity" (matrices probed).
+Progress = Callable[[str, int, int], None]
 
 
 class CalibrationError(CmfError):
@@ -120,14 +125,14 @@ def token_windows(tokenizer, path: str | os.PathLike, window: int, max_tokens: i
 
 def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
             max_tokens: int = DEFAULT_MAX_TOKENS, max_hessian_bytes: int = DEFAULT_MAX_HESSIAN_BYTES,
-            progress: Callable[[int], None] | None = None, sensitivity_tokens: int = 0,
-            sensitivity_progress: Callable[[int], None] | None = None) -> Calibration:
+            progress: Progress | None = None, sensitivity_tokens: int = 0) -> Calibration:
     """Run the CMF model ``model`` over ``text`` and collect every decoder matrix's input statistics.
 
-    ``progress(n)`` is called with the tokens of each window done. The token table and the output
-    head are not recorded (they are stored q8_row under the sub-8-bit quants, docs/QUANT.md).
-    ``sensitivity_tokens`` > 0 also measures each matrix's sensitivity on that many tokens of the
-    text (:mod:`.sensitivity`: one forward pass per matrix; ``sensitivity_progress(1)`` each).
+    ``progress("calibrate", n, total)`` is called with the tokens of each window done. The token
+    table and the output head are not recorded (they are stored q8_row under the sub-8-bit quants,
+    docs/QUANT.md). ``sensitivity_tokens`` > 0 also measures each matrix's sensitivity on that many
+    tokens of the text (:mod:`.sensitivity`: one forward pass per matrix, each reported as
+    ``progress("sensitivity", 1, matrices)``).
     """
     from ..runtime.model import load
 
@@ -157,13 +162,13 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
         w.linear = linear  # the blocks take their ops from here: rebuilt below with recorders
         try:
             m._prepare()
-            tokens = 0
+            tokens, total = 0, sum(map(len, wins))
             for ids in wins:
                 m.hidden(ids, m.new_cache())
                 collector.flush()
                 tokens += len(ids)
                 if progress is not None:
-                    progress(len(ids))
+                    progress("calibrate", len(ids), total)
         finally:
             del w.linear
         sens: dict[str, float] = {}
@@ -174,8 +179,10 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
                 st = collector.stats.get(name)
                 return st.mean_hessian() if st is not None else None
 
-            sens = measure(m, wins, sorted(collector.stats), hessian, tokens=sensitivity_tokens,
-                           progress=sensitivity_progress)
+            names = sorted(collector.stats)
+            probed = (None if progress is None else
+                      lambda n, _p=progress, _t=len(names): _p("sensitivity", n, _t))
+            sens = measure(m, wins, names, hessian, tokens=sensitivity_tokens, progress=probed)
     if collector.diagonal_only:
         log.warning("calibration: %d matrices past the %.1f GB Hessian budget get importance only (no error "
                     "feedback)", len(collector.diagonal_only), max_hessian_bytes / 1e9)

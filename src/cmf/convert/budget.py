@@ -176,17 +176,16 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
     return plan
 
 
-def sensitivity_of(calibration, name: str) -> float | None:  # noqa: ANN001 - a calib.Calibration
-    """The measured sensitivity of matrix ``name`` when the calibration has measured any (None
-    otherwise). A matrix the measurement did not reach (one no layer takes through
-    ``Weights.linear``, such as routed experts) gets the median of the others, so that every loss
-    of one knapsack is on the same scale."""
+def sensitivity_lookup(calibration) -> Callable[[str], float | None]:  # noqa: ANN001 - a calib.Calibration
+    """``lookup(name)``: the measured sensitivity of matrix ``name`` when the calibration has
+    measured any (None otherwise). A matrix the measurement did not reach (one no layer takes
+    through ``Weights.linear``, such as routed experts) gets the median of the others, so that
+    every loss of one knapsack is on the same scale; the median is taken once."""
     table = getattr(calibration, "sensitivity", None)
     if not table:
-        return None
-    if name in table:
-        return table[name]
-    return float(np.median(list(table.values())))
+        return lambda name: None
+    median = float(np.median(list(table.values())))
+    return lambda name: table.get(name, median)
 
 
 def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
@@ -197,13 +196,14 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
     ``cache``: candidates by name, filled on the first call and reused after (several budgets of
     one model and calibration measure each candidate once)."""
     cands: dict[str, list[Candidate]] = {}
+    sensitivity_of = sensitivity_lookup(calibration)
     for name, load, opts in items:
         if cache is not None and name in cache:
             cands[name] = cache[name]
             continue
         w = load()
         stats = calibration.get(name) if calibration is not None else None
-        cands[name] = candidates(w, stats, opts, sensitivity_of(calibration, name))
+        cands[name] = candidates(w, stats, opts, sensitivity_of(name))
         if cache is not None:
             cache[name] = cands[name]
         if progress is not None:

@@ -47,7 +47,7 @@ def check_text(text: str | os.PathLike) -> Path:
 
 def calibrate_source(write_f16: Callable[[Path], None], text: str | os.PathLike, work_dir: Path, *,
                      tokens: int = calib.DEFAULT_MAX_TOKENS, window: int = calib.DEFAULT_WINDOW,
-                     progress: Callable[[int], None] | None = None,
+                     progress: calib.Progress | None = None,
                      sensitivity_tokens: int = 0) -> calib.Calibration:
     """Calibration statistics on ``text`` of the model that ``write_f16(path)`` writes as an f16
     CMF file (the converter's own plan of the source, with the arch keys the real conversion

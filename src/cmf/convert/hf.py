@@ -280,7 +280,7 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
             route_stats: str | os.PathLike[str] | None = None, shard_max_gb: float | None = None,
             dry_run: bool = False, revision: str | None = None,
             progress: Callable[[int], None] | None = None, calib: str | os.PathLike[str] | None = None,
-            calib_tokens: int | None = None, calib_progress: Callable[[int], None] | None = None,
+            calib_tokens: int | None = None, calib_progress: Callable[[str, int, int], None] | None = None,
             target_mb: float | None = None, bpw: float | None = None,
             sensitivity_tokens: int | None = None) -> ConvertResult | Plan:
     """Convert a Hugging Face checkpoint (local folder or hub id) into a CMF file.
@@ -290,7 +290,7 @@ def convert(model: str | os.PathLike[str], out: str | os.PathLike[str] | None = 
     ``route_stats``: JSON ``{layer: [selection count per expert]}`` for vbit MoE allocation;
     ``shard_max_gb``: split the output into shards of at most this many GB; ``calib``: a text the
     model is run on first, for activation-aware encoding (convert/calibrate.py; ``calib_tokens``
-    caps the tokens used, ``calib_progress(n)`` gets the tokens of each window done);
+    caps the tokens used, ``calib_progress(stage, n, total)`` reports its progress, cmf.calib.Progress);
     ``target_mb`` / ``bpw``: fit the whole file in a budget (cmf.convert.budget.apply_to_plan),
     weighing each matrix by its measured sensitivity on ``sensitivity_tokens`` tokens of the
     calibration text (default: 128 with a target, 0 = not measured; cmf.calib.sensitivity).
@@ -329,7 +329,7 @@ def fit_budget(p: Plan, target_mb: float | None, bpw: float | None) -> None:
 
 def attach_calibration(p: Plan, source: str | os.PathLike[str], text: str | os.PathLike[str], work_dir: Path, *,
                        revision: str | None = None, tokens: int | None = None,
-                       progress: Callable[[int], None] | None = None, sensitivity_tokens: int = 0) -> None:
+                       progress: Callable[[str, int, int], None] | None = None, sensitivity_tokens: int = 0) -> None:
     """Collect calibration statistics of ``source`` on ``text`` into the plan (and its provenance)."""
     from .. import calib as _calib
     from .calibrate import calibrate_source

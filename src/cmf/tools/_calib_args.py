@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Callable, Iterator
+from typing import Iterator
 
-from ..calib import DEFAULT_MAX_TOKENS, DEFAULT_SENSITIVITY_TOKENS, MIN_TOKENS
+from ..calib import DEFAULT_MAX_TOKENS, DEFAULT_SENSITIVITY_TOKENS, MIN_TOKENS, Progress
 
 
 def add_calib_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,15 +35,26 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def calib_progress(args: argparse.Namespace) -> Iterator[Callable[[int], None] | None]:
-    """A tqdm bar over the calibration tokens when stderr is a terminal (else None)."""
+def calib_progress(args: argparse.Namespace) -> Iterator[Progress | None]:
+    """tqdm bars over the calibration tokens, then the matrices the sensitivity measurement probes,
+    when stderr is a terminal (else None)."""
     if getattr(args, "calib", None) is None or not sys.stderr.isatty():
         yield None
         return
     from tqdm import tqdm
 
-    bar = tqdm(total=args.calib_tokens, unit=" tok", desc="calibrate", file=sys.stderr, leave=False)
+    units = {"calibrate": " tok", "sensitivity": " matrix"}
+    bars: dict[str, tqdm] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, unit=units.get(stage, ""), desc=stage, file=sys.stderr,
+                                     leave=False)
+        bar.update(done)
+
     try:
-        yield bar.update
+        yield update
     finally:
-        bar.close()
+        for bar in bars.values():
+            bar.close()

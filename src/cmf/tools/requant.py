@@ -111,14 +111,14 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
             include: Sequence[str] = (), exclude: Sequence[str] = (), in_place: bool = False,
             mean_bits: float | None = None, progress: Callable[[int], None] | None = None,
             calib: Any = None, calib_tokens: int | None = None,
-            calib_progress: Callable[[int], None] | None = None, target_mb: float | None = None,
+            calib_progress: Callable[[str, int, int], None] | None = None, target_mb: float | None = None,
             bpw: float | None = None, budget_cache: dict | None = None,
             sensitivity_tokens: int | None = None) -> dict[str, Any]:
     """Re-encode the matrices of ``src`` as ``quant`` into ``dst`` (or in place); returns a report.
 
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
-    activation-aware encoding (cmf.calib; ``calib_progress(n)`` gets each window's tokens).
+    activation-aware encoding (cmf.calib; ``calib_progress(stage, n, total)`` reports progress, cmf.calib.Progress).
     ``target_mb`` / ``bpw``: per-matrix dtypes along the ladder (q2tp, q4tp, vbit, q8_row) chosen so
     the whole file fits (cmf.convert.budget; ``quant`` still decides what stays fixed;
     ``budget_cache``: a dict reused across calls on one model to measure each candidate once),
