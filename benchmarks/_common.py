@@ -80,3 +80,21 @@ def append_entry(results: "os.PathLike[str]", section: str, entry: str, intro: s
     else:
         body = body.rstrip("\n") + "\n" + entry
     path.write_text(body)
+
+
+# OpenBLAS core types for the LLVM CPU names the "@cpu" cells use: numpy's OpenBLAS picks its
+# sgemm by the host's CPU, so without this an AVX-512 host's prefill stays AVX-512 in a cell
+# that is meant to show an AVX2 machine.
+OPENBLAS_CORE = {"haswell": "Haswell", "broadwell": "Haswell", "skylake": "Haswell", "alderlake": "Haswell",
+                 "znver1": "Zen", "znver2": "Zen", "znver3": "Zen", "skylake-avx512": "SkylakeX",
+                 "cascadelake": "SkylakeX", "cooperlake": "Cooperlake", "sapphirerapids": "SapphireRapids"}
+
+
+def cpu_env(cpu: str) -> dict[str, str]:
+    """The environment that compiles every kernel for LLVM CPU ``cpu`` with that CPU's own
+    features (numba pairs a bare NUMBA_CPU_NAME with the host's features, so the empty
+    NUMBA_CPU_FEATURES matters) and has OpenBLAS use that CPU's sgemm where it knows one."""
+    env = {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": ""}
+    if cpu in OPENBLAS_CORE:
+        env["OPENBLAS_CORETYPE"] = OPENBLAS_CORE[cpu]
+    return env

@@ -19,8 +19,9 @@ spawning ``python`` to the first generated token (imports, load, 32-token prefil
 with the numba cache warm and with an empty one (``NUMBA_CACHE_DIR`` pointed at a fresh folder).
 ``--write`` appends a dated ``### run`` to ``## runtime`` of RESULTS.md. ``--cpu haswell`` adds every
 cell again as ``<dtype>@haswell``, compiled by numba for that CPU's own features (``NUMBA_CPU_NAME=haswell
-NUMBA_CPU_FEATURES=`` with its own ``NUMBA_CACHE_DIR``: what a machine without AVX-512 gets), in the
-same rounds as the native cells.
+NUMBA_CPU_FEATURES=`` with its own ``NUMBA_CACHE_DIR``) and with OpenBLAS's sgemm for that CPU
+(``OPENBLAS_CORETYPE=Haswell``): what a machine without AVX-512 gets, in the same rounds as the
+native cells.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_entry, idle_fraction, machine, table  # noqa: E402
+from _common import append_entry, cpu_env, idle_fraction, machine, table  # noqa: E402
 from convert import MODELS, QUICK, write_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -217,12 +218,12 @@ CPU_CACHE = {"dir": Path(tempfile.gettempdir())}  # where the "@cpu" cells keep 
 
 def cell_env(label: str) -> dict:
     """The child environment of a matrix cell: "+i8" cells run with int8 activations, "@name"
-    cells compile for CPU ``name`` with that CPU's own features (numba pairs a bare
-    NUMBA_CPU_NAME with the host's features, so the empty NUMBA_CPU_FEATURES matters)."""
+    cells compile for CPU ``name`` with that CPU's own features and its OpenBLAS sgemm
+    (``_common.cpu_env``), with a numba cache of their own."""
     base, _, cpu = label.partition("@")
     env = {"CMF_INT8_ACT": "1" if base.endswith("+i8") else "0"}
     if cpu:
-        env.update(NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(CPU_CACHE["dir"] / f"numba-{cpu}"))
+        env.update(cpu_env(cpu), NUMBA_CACHE_DIR=str(CPU_CACHE["dir"] / f"numba-{cpu}"))
     return env
 
 
