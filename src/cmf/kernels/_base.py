@@ -62,9 +62,15 @@ class FusedLinear:
 
     @property
     def group_family(self) -> str | None:
-        """The compiled group kernel of ``gemv.MatvecGroup`` that takes this op (ops of one
-        family share a parallel region); None: it runs through its own product."""
+        """``"<kernel>"`` or ``"<kernel>:<variant>"``: the compiled group kernel of
+        ``gemv.MatvecGroup`` that takes this op (``gemv.GROUP_KERNELS``: "rows", "tiled", "vbit",
+        "q1"), which then reads the op's :meth:`group_arrays`; ops with equal strings share a
+        parallel region. None: it runs through its own product."""
         return None
+
+    def group_arrays(self) -> tuple:
+        """This op's arguments to its group kernel (see :attr:`group_family`), in that kernel's order."""
+        raise NotImplementedError(f"{type(self).__name__} has no group kernel")
 
     def __init__(self, tensor) -> None:  # noqa: ANN001 - a cmf QTensor
         if len(tensor.shape) != 2:

@@ -283,7 +283,23 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
                 for j in range(pieces)]
             acc = [[None] * 4 for _ in range(pieces)]
-            for c in range(4):  # rows 16c .. 16c + 15
+            if (path or int_dot.DOT_PATH) == "vnni512":
+                # word by word, the 4 row blocks × pieces accumulators interleaved: 4·pieces
+                # independent vpdpbusd chains in flight (32 zmm registers hold them). Block by
+                # block (the AVX2 order below) leaves pieces chains of 8 dependent vpdpbusd:
+                # SmolLM2 q4tp decode 0.80×, prefill 0.79× (benchmarks/ab.py, RESULTS.md).
+                splat = [[_splat(builder, x, v16) for x in xj] for xj in xs]
+                acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
+                for w in range(width // 4):
+                    for c in range(4):
+                        at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
+                        word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
+                        for p in range(phases):
+                            part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
+                            codes = builder.and_(part, msk)
+                            for j in range(pieces):
+                                acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][w * phases + p])
+            for c in range(4 if acc[0][0] is None else 0):  # rows 16c .. 16c + 15
                 codes = []  # the 8 (word, phase) code vectors of the group, in xs's order
                 for w in range(width // 4):
                     at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))

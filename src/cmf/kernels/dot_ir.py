@@ -1,8 +1,8 @@
 """Dot products of weight rows with float32 vectors in one fixed summation order (LLVM IR).
 
-Every float mat-vec body of the q8, f16/bf16 and f32 families — the one-token products
-(``gemv.spread_rows``, ``floats.half_rows`` / ``f32_rows``, ``q8.q8_rows``) and the batched
-server step (``gemv_batch``) — sums a row the same way, spelled out here rather than left to
+Every float mat-vec body of the q8, f16/bf16 and f32 families — their one row-range body
+(``rows.row_dots`` and its paired form), run by the LinearOps, the one-token grouped products and
+the batched server step — sums a row the same way, spelled out here rather than left to
 LLVM's loop vectorizer: per (row, vector) two 8-lane partial sums of fused multiply-adds, lanes
 over elements 16j..16j+7 and 16j+8..16j+15, added together and reduced by a fixed tree of
 strict adds (lane i + lane i+4, then i + i+2, then 0 + 1), then the elements past the last block

@@ -3,7 +3,7 @@
 f32 needs no decoding, so the product is numpy's sgemv/sgemm straight on the zero-copy view;
 only the row-restricted product has a kernel (it reads just the selected rows). f16 and bf16
 convert in registers (f16 by the CPU's conversion instruction where there is one) and share
-each x load between four rows, like the q8 kernel.
+each x load between four rows, like the q8 kernel (both run :mod:`.rows`' one body).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from . import gemm
 from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
-from .dot_ir import dot1, dot4
 from .registry import family
+from .rows import EMPTY, row_dots_all, row_dots_par
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -29,58 +29,6 @@ def _cvt(v, kind):  # pragma: no cover - compiled
     if kind == F16:
         return f16_to_f32(v)
     return bf16_to_f32(v)
-
-
-@numba.njit(**SERIAL)
-def half_rows(w, kind, X, Y, rows, i0, i1):  # pragma: no cover - compiled
-    """Y[:, i] = X @ w[rows[i]] for i in [i0, i1); w holds f16 or bf16 bits (uint16)."""
-    T, n = X.shape
-    i = i0
-    while i + 4 <= i1:
-        wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
-        for t in range(T):
-            Y[t, i], Y[t, i + 1], Y[t, i + 2], Y[t, i + 3] = dot4(wa, wb, wc, wd, X[t], kind)
-        i += 4
-    while i < i1:
-        wr = w[rows[i]]
-        for t in range(T):
-            Y[t, i] = dot1(wr, X[t], kind)
-        i += 1
-
-
-@numba.njit(**PARALLEL)
-def half_rows_par(w, kind, X, Y, rows, nt):  # pragma: no cover - compiled
-    n = rows.shape[0]
-    step = ((n + nt - 1) // nt + 3) // 4 * 4
-    for j in prange(nt):
-        i0 = min(n, j * step)
-        half_rows(w, kind, X, Y, rows, i0, min(n, i0 + step))
-
-
-@numba.njit(**SERIAL)
-def f32_rows(w, X, Y, rows, i0, i1):  # pragma: no cover - compiled
-    """Y[:, i] = X @ w[rows[i]]: a gathered mat-vec that never copies the rows."""
-    T, n = X.shape
-    i = i0
-    while i + 4 <= i1:
-        wa, wb, wc, wd = w[rows[i]], w[rows[i + 1]], w[rows[i + 2]], w[rows[i + 3]]
-        for t in range(T):
-            Y[t, i], Y[t, i + 1], Y[t, i + 2], Y[t, i + 3] = dot4(wa, wb, wc, wd, X[t], F32)
-        i += 4
-    while i < i1:
-        wr = w[rows[i]]
-        for t in range(T):
-            Y[t, i] = dot1(wr, X[t], F32)
-        i += 1
-
-
-@numba.njit(**PARALLEL)
-def f32_rows_par(w, X, Y, rows, nt):  # pragma: no cover - compiled
-    n = rows.shape[0]
-    step = ((n + nt - 1) // nt + 3) // 4 * 4
-    for j in prange(nt):
-        i0 = min(n, j * step)
-        f32_rows(w, X, Y, rows, i0, min(n, i0 + step))
 
 
 @numba.njit(**SERIAL)
@@ -106,14 +54,14 @@ def half_dequant_par(w, kind, rows, out, nt):  # pragma: no cover - compiled
 class F32Linear(FusedLinear):
     """f32: BLAS on the zero-copy view of the mapped bytes."""
 
-    group_family = "f32"
+    group_family = "rows:f32"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
         f32_gemm(a, w64, self.w, X, Y, nt)
 
     fused_max_t = 1 << 62  # BLAS handles every batch size itself
-    rows_exact = True  # fused() runs f32_rows: one row's dot products whatever the batch
+    rows_exact = True  # fused() runs rows.row_dots: one row's dot products whatever the batch
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -128,18 +76,22 @@ class F32Linear(FusedLinear):
         Y = np.empty((X.shape[0], self.out_features), np.float32)
         rows = np.arange(self.out_features, dtype=np.int64)
         if Y.size and parallel_for(self.work * X.shape[0]):
-            f32_rows_par(self.w, X, Y, rows, threads())
+            row_dots_par(self.w, F32, EMPTY, EMPTY, X, Y, rows, threads())
         elif Y.size:
-            f32_rows(self.w, X, Y, rows, 0, rows.size)
+            row_dots_all(self.w, F32, EMPTY, EMPTY, X, Y, rows)
         return Y
 
     def _matmul_rows(self, rows, X, Y, par):
         if X.shape[0] > 4:  # a prefill: copying the rows once is cheaper than T gathered passes
             np.dot(X, self.w[rows].T, out=Y)
         elif par:
-            f32_rows_par(self.w, X, Y, rows, threads())
+            row_dots_par(self.w, F32, EMPTY, EMPTY, X, Y, rows, threads())
         else:
-            f32_rows(self.w, X, Y, rows, 0, rows.size)
+            row_dots_all(self.w, F32, EMPTY, EMPTY, X, Y, rows)
+
+    def group_arrays(self) -> tuple:
+        """(rows, kind, scales, column field): what the grouped decode products take (:mod:`.rows`)."""
+        return self.w, F32, EMPTY, EMPTY
 
     def _dequant(self, r0, r1, out, par):
         out[...] = self.w[r0:r1]
@@ -154,7 +106,7 @@ class HalfLinear(FusedLinear):
 
     @property
     def group_family(self) -> str:
-        return f"half{self.kind}"
+        return f"rows:half{self.kind}"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
@@ -163,7 +115,7 @@ class HalfLinear(FusedLinear):
                   gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
 
     fused_max_t = 8  # measured crossover with dequantize + sgemm: T ~ 8-10 (benchmarks/quant.py)
-    rows_exact = True  # half_rows: one row's dot products, the same for every batch size
+    rows_exact = True  # rows.row_dots: one row's dot products, the same for every batch size
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -176,9 +128,13 @@ class HalfLinear(FusedLinear):
 
     def _matmul_rows(self, rows, X, Y, par):
         if par:
-            half_rows_par(self.w, self.kind, X, Y, rows, threads())
+            row_dots_par(self.w, self.kind, EMPTY, EMPTY, X, Y, rows, threads())
         else:
-            half_rows(self.w, self.kind, X, Y, rows, 0, rows.size)
+            row_dots_all(self.w, self.kind, EMPTY, EMPTY, X, Y, rows)
+
+    def group_arrays(self) -> tuple:
+        """(rows, kind, scales, column field): what the grouped decode products take (:mod:`.rows`)."""
+        return self.w, self.kind, EMPTY, EMPTY
 
     def _dequant(self, r0, r1, out, par):
         self._dequant_rows(self.all_rows[r0:r1], out, par)

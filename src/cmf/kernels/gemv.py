@@ -7,7 +7,7 @@ gate and up — in *one* region: each thread takes its chunk of rows of every ma
 gate/up it applies the activation to its own rows (``act(g)·u``) before the region ends. The
 results go into a buffer the caller allocated once, so a token step allocates nothing.
 
-The per-row serial bodies are the families' own (``floats``, ``q8``, ``q4``, ``vbit``, ``q1``),
+The per-row serial bodies are the families' own (``rows`` for q8/f16/bf16/f32, ``q4``, ``vbit``, ``q1``),
 so values are bit-for-bit those of the LinearOps. Matrices of different families, q1t (its
 tiles and overlay run through its LinearOp) or the reference path run one after another through
 their LinearOp (same values, more regions).
@@ -24,10 +24,9 @@ from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, threads
 from ._jit import chunk as _chunk
 from .q4 import R as TILE_R
 from .q4 import _tail_rows, tiles_run
-from .dot_ir import dot1, dot4
 from .xprep import fill_x
-from .q8 import _fold
 from .q1 import q1_rows
+from .rows import fold_cols, row_dots
 from .vbit import group_sums, pair_x, vbit_rows
 from .vmath import gated
 
@@ -51,60 +50,27 @@ def _act_chunk(Y, width, act, nt, j):  # pragma: no cover - compiled
         apply_act(Y, width, act, r0, r1)
 
 
-@numba.njit(inline="always")
-def _dot4(w, kind, ra, rb, rc, rd, x):  # pragma: no cover - compiled
-    """Four rows · x, each x load shared by the four rows (``dot_ir.dot4``'s summation order)."""
-    return dot4(w[ra], w[rb], w[rc], w[rd], x, kind)
-
-
 @numba.njit(**SERIAL)
-def spread_rows(w, kind, s, x, y, r0, r1):  # pragma: no cover - compiled
-    """y[r] = (w[r]·x)·s[r] for r in [r0, r1) (s empty: no scale), four rows at a time taken a
-    quarter of the range apart.
-
-    Why spread: four *adjacent* rows are four short streams inside one or two 4 KB pages, which
-    the hardware prefetchers never lock on to (measured 8 GB/s from DRAM on 2 threads); four
-    rows a quarter range apart are four long sequential streams (36 GB/s). Each row's sum is
-    the same as the adjacent-row kernels' (q8_rows / half_rows / f32_rows)."""
-    L = (r1 - r0) // 4
-    scaled = s.shape[0] > 0
-    for j in range(L):
-        ra = r0 + j
-        a, b, c, d = _dot4(w, kind, ra, ra + L, ra + 2 * L, ra + 3 * L, x)
-        if scaled:
-            a *= s[ra]
-            b *= s[ra + L]
-            c *= s[ra + 2 * L]
-            d *= s[ra + 3 * L]
-        y[ra] = a
-        y[ra + L] = b
-        y[ra + 2 * L] = c
-        y[ra + 3 * L] = d
-    for r in range(r0 + 4 * L, r1):
-        a = dot1(w[r], x, kind)
-        y[r] = a * s[r] if scaled else a
-
-
-@numba.njit(**SERIAL)
-def _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width):  # pragma: no cover - compiled
+def _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, j, act, width):  # pragma: no cover - compiled
     """Thread j's share: its chunk of rows of every matrix, then the activation of its gate rows."""
     for m in range(len(ws)):
         r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
-        spread_rows(ws[m], kind, ss[m], _fold(X, cols[m])[0], Y[0, offs[m]:], r0, r1)
+        row_dots(ws[m], kind, ss[m], fold_cols(X, cols[m]), Y[:, offs[m]:], rows, r0, r1)
     _act_chunk(Y, width, act, nt, j)
 
 
 @numba.njit(**PARALLEL)
-def rows_group(ws, kind, ss, cols, X, Y, offs, nt, act, width):  # pragma: no cover - compiled
-    """Every matrix of ``ws`` (one dtype family) times X[0], one chunk of rows per thread."""
+def rows_group(ws, kind, ss, cols, X, Y, offs, rows, nt, act, width):  # pragma: no cover - compiled
+    """Every matrix of ``ws`` (one dtype family) times X[0], one chunk of rows per thread
+    (``rows``: 0, 1, 2, ... up to the largest matrix; :func:`~cmf.kernels.rows.row_dots` indexes by it)."""
     for j in prange(nt):
-        _rows_chunk(ws, kind, ss, cols, X, Y, offs, nt, np.int64(j), act, width)
+        _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, np.int64(j), act, width)
 
 
 @numba.njit(**SERIAL)
-def rows_group_serial(ws, kind, ss, cols, X, Y, offs, act, width):  # pragma: no cover - compiled
+def rows_group_serial(ws, kind, ss, cols, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
     """:func:`rows_group` on the calling thread (no parallel region to start: small products)."""
-    _rows_chunk(ws, kind, ss, cols, X, Y, offs, 1, 0, act, width)
+    _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, 1, 0, act, width)
 
 
 @numba.njit(**SERIAL)
@@ -229,6 +195,12 @@ def _pad_arrays(entries: tuple) -> tuple:
     return _pad(entries, entries[0][:0])
 
 
+# group kernel name (FusedLinear.group_family before any ":") -> (parallel, serial) drivers; "tiled"
+# has its own call (x prepared once for the group, see MatvecGroup.bind)
+GROUP_KERNELS = {"rows": (rows_group, rows_group_serial), "vbit": (vbit_group, vbit_group_serial),
+                 "q1": (q1_group, q1_group_serial), "tiled": (tiled_group, tiled_group_serial)}
+
+
 class MatvecGroup:
     """``out[0, off_m : off_m + rows_m] = W_m · x`` for every matrix m, or, with ``act``, the
     gated activation ``act(W_0·x)·(W_1·x)`` in ``out[0, :rows]`` (``out`` then holds 2·rows).
@@ -244,7 +216,6 @@ class MatvecGroup:
             raise ValueError("a MatvecGroup needs matrices of one input width")
         self.sizes = [o.out_features for o in self.ops]
         self.offs = np.cumsum([0] + self.sizes[:-1]).astype(np.int64)
-        self._offs = np.concatenate([self.offs, np.zeros(max(0, GROUP_SLOTS - len(self.ops)), np.int64)])
         self.out_features = int(sum(self.sizes))
         self.act = NO_ACT if act is None else ACTS[act]
         if act is not None and (len(self.ops) != 2 or self.sizes[0] != self.sizes[1]):
@@ -254,8 +225,14 @@ class MatvecGroup:
         self.work = sum(int(getattr(o, "work", getattr(o, "nbytes", 0))) for o in self.ops)  # see FusedLinear.work
         fams = {getattr(o, "group_family", None) for o in self.ops}
         self.family = fams.pop() if len(fams) == 1 else None
-        self._rows = np.arange(max(self.sizes), dtype=np.int64)
-        if self.family is not None and self.family.startswith("tiled"):
+        self.kernel = None if self.family is None else self.family.partition(":")[0]
+        if self.kernel not in (None, *GROUP_KERNELS):
+            raise ValueError(f"group family {self.family!r}: no such group kernel (one of {GROUP_KERNELS})")
+        self.row_index = np.arange(max(self.sizes), dtype=np.int64)  # 0, 1, ... (rows.row_dots indexes by it)
+        # the offsets padded to GROUP_SLOTS, as the compiled kernels take them
+        self.slot_offsets = np.concatenate([self.offs, np.zeros(max(0, GROUP_SLOTS - len(self.ops)), np.int64)])
+        arrays = list(zip(*(o.group_arrays() for o in self.ops))) if self.kernel else []
+        if self.kernel == "tiled":
             o0 = self.ops[0]
             gpr = self.in_features // 32
             self._xp = np.empty((1, o0.phases, gpr, o0.width), np.float32)
@@ -267,52 +244,47 @@ class MatvecGroup:
                 np.empty((0, gpr * 8), np.int32)
             self._xd = np.empty((1, gpr), np.float32)
             self._tiles = np.arange(max(o.ntiles for o in self.ops) or 1, dtype=np.int64)
-            kinds = _pad(tuple(o.kind for o in self.ops), o0.kind)
-            self._tup = (kinds, *(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in (
-                "planes", "sc", "cw", "lad", "params", "exp2tab", "ready", "src", "scs", "cs", "tail")))
+            kinds = _pad(arrays[0], arrays[0][0])
+            tup = (kinds, *(_pad_arrays(a) for a in arrays[1:]))
             # the arguments around x, built once (the call then only adds x, out and nt)
-            self._before = (*self._tup, self._tiles)
+            self._before = (*tup, self._tiles)
             self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)
-        elif self.family == "vbit":
-            self._tup = (*(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in ("data", "widths", "starts")),
-                         _pad(tuple(np.int64(o.soff) for o in self.ops), np.int64(0)))
-        elif self.family == "q1":
-            self._tup = (_pad(tuple(np.int64(o.kind) for o in self.ops), np.int64(self.ops[0].kind)),
-                         *(_pad_arrays(tuple(getattr(o, a) for o in self.ops)) for a in ("tiles", "ptr", "ent")))
-        elif self.family is not None:
-            none = np.zeros(0, np.float32)
-            if self.family == "q8":
-                kind, ws = -1, tuple(o.q for o in self.ops)
-                ss, cols = tuple(o.s for o in self.ops), tuple(o.col for o in self.ops)
-            else:
-                kind = 0 if self.family == "f32" else self.ops[0].kind
-                ws, ss, cols = tuple(o.w for o in self.ops), (none,) * len(self.ops), (none,) * len(self.ops)
-            self._tup = (_pad_arrays(ws), kind, _pad_arrays(ss), _pad_arrays(cols))
+        elif self.kernel == "vbit":  # (data, widths, starts, soff)
+            self._tup = (*(_pad_arrays(a) for a in arrays[:3]), _pad(arrays[3], np.int64(0)))
+        elif self.kernel == "q1":  # (kind, tiles, ptr, ent)
+            self._tup = (_pad(arrays[0], arrays[0][0]), *(_pad_arrays(a) for a in arrays[1:]))
+        elif self.kernel == "rows":  # (rows, kind, scales, column field): one kind per group
+            self._tup = (_pad_arrays(arrays[0]), arrays[1][0], _pad_arrays(arrays[2]), _pad_arrays(arrays[3]))
+
+    @property
+    def row_args(self) -> tuple:
+        """The row-dot kernels' per-matrix arguments (padded rows, kind, scales, column fields):
+        what :mod:`.gemv_batch` passes to its own drivers of :func:`~cmf.kernels.rows.row_dots`."""
+        if self.kernel != "rows":
+            raise ValueError(f"group of family {self.family!r} has no row-dot arguments")
+        return self._tup
 
     def bind(self, x: np.ndarray, out: np.ndarray, nt: int) -> tuple | None:
         """(compiled function, its arguments) computing ``self(x, out, nt)``, or None when the
         matrices run one after another (no single call). A token step binds its buffers once and
         then makes the call directly: the Python around each product, run with caches the weight
         stream has just evicted, cost more than the call itself."""
-        fam = self.family
-        if fam is None:
+        kernel = self.kernel
+        if kernel is None:
             return None
         if nt > 1 and self.work < _jit.PARALLEL_MIN_BYTES:
             nt = 1
-        if fam in ("vbit", "q1"):
-            par, serial = (vbit_group, vbit_group_serial) if fam == "vbit" else (q1_group, q1_group_serial)
+        offs, act, width = self.slot_offsets, self.act, self.width
+        if kernel == "tiled":
+            if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
+                return None
             if nt > 1:
-                return par, (*self._tup, x, out, self._offs, self._rows, nt, self.act, self.width)
-            return serial, (*self._tup, x, out, self._offs, self._rows, self.act, self.width)
-        if fam in ("q8", "f32") or fam.startswith("half"):
-            if nt > 1:
-                return rows_group, (*self._tup, x, out, self._offs, nt, self.act, self.width)
-            return rows_group_serial, (*self._tup, x, out, self._offs, self.act, self.width)
-        if x.strides[1] != 4:  # the int8 preparation loads each group of x as one vector
-            return None
+                return tiled_group, (*self._before, x, *self._after, out, offs, nt, act, width)
+            return tiled_group_serial, (*self._before, x, *self._after, out, offs, act, width)
+        par, serial = GROUP_KERNELS[kernel]
         if nt > 1:
-            return tiled_group, (*self._before, x, *self._after, out, self._offs, nt, self.act, self.width)
-        return tiled_group_serial, (*self._before, x, *self._after, out, self._offs, self.act, self.width)
+            return par, (*self._tup, x, out, offs, self.row_index, nt, act, width)
+        return serial, (*self._tup, x, out, offs, self.row_index, act, width)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, nt: int | None = None) -> np.ndarray:
         """x: [1, in] float32 (C-contiguous); out: [1, out_features] float32. Returns ``out``.

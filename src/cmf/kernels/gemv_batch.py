@@ -5,8 +5,8 @@ once per step, each weight serves all B rows: every thread takes its chunk of ro
 matrix — the same chunks as the one-token :class:`~cmf.kernels.gemv.MatvecGroup` — and for each
 group of four rows (a quarter of the chunk apart, so the prefetchers see four long streams) it
 computes the dot products with all B inputs while the rows sit in L1. Each (row, input) sum is
-the one-token kernel's ``_dot4`` on the same data, so a sequence's products are bit-for-bit those
-it gets alone, whatever else is in the batch. The paired kernel (``dot_ir.dot22``) converts each
+the one-token kernel's ``dot_ir.dot4`` on the same data, so a sequence's products are bit-for-bit those
+it gets alone, whatever else is in the batch (both run :mod:`.rows`' one body). The paired kernel (``dot_ir.dot22``) converts each
 weight block once for two inputs, in the same summation order (``dot_ir``: one order written in IR
 for every kernel and CPU); a group uses it from
 ``PAIRED_MIN_T`` inputs on (below, the weight stream bounds the step and the plain kernel's four
@@ -28,9 +28,8 @@ import os
 from . import _jit
 from ._jit import PARALLEL, SERIAL
 from ._jit import chunk as _chunk
-from .dot_ir import dot1, dot22
-from .gemv import NO_ACT, MatvecGroup, _dot4
-from .q8 import _fold
+from .gemv import NO_ACT, MatvecGroup
+from .rows import fold_cols, row_dots, row_dots_pairs
 from .vmath import gated
 
 log = logging.getLogger(__name__)
@@ -45,69 +44,6 @@ PAIRED_MIN_T = 8
 
 
 @numba.njit(**SERIAL)
-def spread_rows_batch(w, kind, s, X, Y, r0, r1):  # pragma: no cover - compiled
-    """Y[t, r] = (w[r]·X[t])·s[r] for r in [r0, r1) and every t (s empty: no scale), grouped as
-    ``gemv.spread_rows`` groups them."""
-    L = (r1 - r0) // 4
-    T = X.shape[0]
-    scaled = s.shape[0] > 0
-    for j in range(L):
-        ra = r0 + j
-        for t in range(T):
-            a, b, c, d = _dot4(w, kind, ra, ra + L, ra + 2 * L, ra + 3 * L, X[t])
-            if scaled:
-                a *= s[ra]
-                b *= s[ra + L]
-                c *= s[ra + 2 * L]
-                d *= s[ra + 3 * L]
-            Y[t, ra] = a
-            Y[t, ra + L] = b
-            Y[t, ra + 2 * L] = c
-            Y[t, ra + 3 * L] = d
-    for r in range(r0 + 4 * L, r1):
-        for t in range(T):
-            a = dot1(w[r], X[t], kind)
-            Y[t, r] = a * s[r] if scaled else a
-
-
-@numba.njit(**SERIAL)
-def _pair_rows(w, kind, s, X, Y, ra, rb):  # pragma: no cover - compiled
-    """Rows ra and rb (equal for a lone row) times every row of X, two vectors per pass."""
-    T = X.shape[0]
-    wa, wb = w[ra], w[rb]
-    scaled = s.shape[0] > 0
-    sa = s[ra] if scaled else np.float32(1)
-    sb = s[rb] if scaled else np.float32(1)
-    t = 0
-    while t < T:
-        u = min(t + 1, T - 1)  # an odd last vector is paired with itself
-        a0, b0, a1, b1 = dot22(wa, wb, X[t], X[u], kind)
-        if scaled:
-            a0 *= sa
-            b0 *= sb
-            a1 *= sa
-            b1 *= sb
-        Y[t, ra] = a0
-        Y[t, rb] = b0
-        Y[u, ra] = a1
-        Y[u, rb] = b1
-        t += 2
-
-
-@numba.njit(**SERIAL)
-def spread_rows_pairs(w, kind, s, X, Y, r0, r1):  # pragma: no cover - compiled
-    """:func:`spread_rows_batch` through :func:`~cmf.kernels.dot_ir.dot22`: each weight block
-    converted once for two vectors (the same rows grouped the same way)."""
-    L = (r1 - r0) // 4
-    for j in range(L):
-        ra = r0 + j
-        _pair_rows(w, kind, s, X, Y, ra, ra + L)
-        _pair_rows(w, kind, s, X, Y, ra + 2 * L, ra + 3 * L)
-    for r in range(r0 + 4 * L, r1):
-        _pair_rows(w, kind, s, X, Y, r, r)
-
-
-@numba.njit(**SERIAL)
 def _act_rows(Y, width, act, i0, i1):  # pragma: no cover - compiled
     """Y[t, i] = act(Y[t, i])·Y[t, width + i] for i in [i0, i1) and every t (``gemv.apply_act``'s
     element function)."""
@@ -117,30 +53,30 @@ def _act_rows(Y, width, act, i0, i1):  # pragma: no cover - compiled
 
 
 @numba.njit(**SERIAL)
-def _batch_chunk(ws, kind, ss, cols, X, Y, offs, nt, j, act, width, paired):  # pragma: no cover - compiled
+def _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, j, act, width, paired):  # pragma: no cover - compiled
     for m in range(len(ws)):
         r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
         if paired:
-            spread_rows_pairs(ws[m], kind, ss[m], _fold(X, cols[m]), Y[:, offs[m]:], r0, r1)
+            row_dots_pairs(ws[m], kind, ss[m], fold_cols(X, cols[m]), Y[:, offs[m]:], rows, r0, r1)
         else:
-            spread_rows_batch(ws[m], kind, ss[m], _fold(X, cols[m]), Y[:, offs[m]:], r0, r1)
+            row_dots(ws[m], kind, ss[m], fold_cols(X, cols[m]), Y[:, offs[m]:], rows, r0, r1)
     if act >= 0:
         r0, r1 = _chunk(width, nt, j, 4)
         _act_rows(Y, width, act, r0, r1)
 
 
 @numba.njit(**PARALLEL)
-def rows_group_batch(ws, kind, ss, cols, X, Y, offs, nt, act, width, paired):  # pragma: no cover - compiled
+def rows_group_batch(ws, kind, ss, cols, X, Y, offs, rows, nt, act, width, paired):  # pragma: no cover - compiled
     """Every matrix of ``ws`` (one dtype family) times every row of X, one chunk of rows per thread
-    (``paired``: through :func:`spread_rows_pairs`)."""
+    (``paired``: through :func:`~cmf.kernels.rows.row_dots_pairs`)."""
     for j in prange(nt):
-        _batch_chunk(ws, kind, ss, cols, X, Y, offs, nt, np.int64(j), act, width, paired)
+        _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, np.int64(j), act, width, paired)
 
 
 @numba.njit(**SERIAL)
-def rows_group_batch_serial(ws, kind, ss, cols, X, Y, offs, act, width, paired):  # pragma: no cover - compiled
+def rows_group_batch_serial(ws, kind, ss, cols, X, Y, offs, rows, act, width, paired):  # pragma: no cover
     """:func:`rows_group_batch` on the calling thread."""
-    _batch_chunk(ws, kind, ss, cols, X, Y, offs, 1, 0, act, width, paired)
+    _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, 1, 0, act, width, paired)
 
 
 class BatchGroup:
@@ -149,8 +85,7 @@ class BatchGroup:
 
     def __init__(self, ops: list, act: str | None = None) -> None:
         self.group = MatvecGroup(ops, act)
-        fam = self.group.family
-        self.direct = fam is not None and (fam in ("q8", "f32") or fam.startswith("half"))
+        self.direct = self.group.kernel == "rows"
         self.out_features = self.group.out_features
         self.width = self.group.width
         self.paired: bool | None = None  # whether the paired kernel matches here (checked on first use)
@@ -181,9 +116,9 @@ class BatchGroup:
     def _run(self, X: np.ndarray, Y: np.ndarray, nt: int, paired: bool) -> None:
         g = self.group
         if nt > 1:
-            rows_group_batch(*g._tup, X, Y, g._offs, nt, g.act, g.width, paired)
+            rows_group_batch(*g.row_args, X, Y, g.slot_offsets, g.row_index, nt, g.act, g.width, paired)
         else:
-            rows_group_batch_serial(*g._tup, X, Y, g._offs, g.act, g.width, paired)
+            rows_group_batch_serial(*g.row_args, X, Y, g.slot_offsets, g.row_index, g.act, g.width, paired)
 
     def _paired_matches(self, nt: int) -> bool:
         """Whether the paired kernel gives this group's one-token results bit for bit. Both run
@@ -207,4 +142,4 @@ class BatchGroup:
         return True
 
 
-__all__ = ["BatchGroup", "rows_group_batch", "spread_rows_batch"]
+__all__ = ["BatchGroup", "rows_group_batch"]

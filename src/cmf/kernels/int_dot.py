@@ -107,6 +107,12 @@ def group_dots(builder: ir.IRBuilder, codes: list, xs: list, path: str | None = 
     return [_join(builder, *hs) for hs in halves]
 
 
+def vnni512_acc(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, xs: ir.Value) -> ir.Value:
+    """acc + one 512-bit ``vpdpbusd`` of ``codes`` by ``xs`` (four int8 activations already
+    broadcast to every lane): for callers that interleave several accumulators themselves."""
+    return _call(builder, "llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, codes, xs])
+
+
 def group_dot(builder: ir.IRBuilder, pairs: list, path: str | None = None) -> ir.Value:
     """<16 x i32>: lane l = Σ over (codes, x) in ``pairs`` of Σ_k u8(codes.byte[4l+k])·s8(x.byte[k]).
 
@@ -160,4 +166,4 @@ def group_dot(builder: ir.IRBuilder, pairs: list, path: str | None = None) -> ir
     return tot
 
 
-__all__ = ["DOT_PATH", "PATHS", "choose_path", "group_dot", "group_dots", "path_supported"]
+__all__ = ["DOT_PATH", "PATHS", "choose_path", "group_dot", "group_dots", "path_supported", "vnni512_acc"]

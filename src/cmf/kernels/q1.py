@@ -153,6 +153,10 @@ class Q1Linear(FusedLinear):
     def group_family(self) -> str | None:
         return "q1" if self.tiled is None else None  # q1t runs its tiles (and overlay) itself
 
+    def group_arrays(self) -> tuple:
+        """(kind, sign tiles, overlay row pointers, overlay entries): what gemv.q1_group takes."""
+        return np.int64(self.kind), self.tiles, self.ptr, self.ent
+
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
         k = X.shape[1]

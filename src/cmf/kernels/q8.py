@@ -2,8 +2,9 @@
 
 ``q8_row``: y[r] = s[r]·Σ_c q[r,c]·x[c]. ``q8_2f``: w = q·s[r]·col[c], so the column field is
 folded into the vector once per call (x' = x·col) and the same kernel runs. Four rows share
-each load of x (the loop is bound by loads: one x load per four int8→f32 FMAs instead of one).
-Row scales are converted to f32 once at prepare time (4 bytes per row).
+each load of x (the loop is bound by loads: one x load per four int8→f32 FMAs instead of one):
+the row-dot families' one body, :mod:`.rows`. Row scales are converted to f32 once at prepare
+time (4 bytes per row).
 """
 
 from __future__ import annotations
@@ -18,61 +19,8 @@ from . import gemm
 from ._jit import PARALLEL, SERIAL, int8_f32, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
-from .dot_ir import dot1, dot4
 from .registry import family
-
-
-@numba.njit(**SERIAL)
-def q8_rows(q, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
-    """Y[:, i] = s[r]·(X @ q[r]) for r = rows[i], i in [i0, i1)."""
-    T, n = X.shape
-    i = i0
-    while i + 4 <= i1:
-        ra, rb, rc, rd = rows[i], rows[i + 1], rows[i + 2], rows[i + 3]
-        qa, qb, qc, qd = q[ra], q[rb], q[rc], q[rd]
-        for t in range(T):
-            a, b, c, d = dot4(qa, qb, qc, qd, X[t], 0)
-            Y[t, i] = a * s[ra]
-            Y[t, i + 1] = b * s[rb]
-            Y[t, i + 2] = c * s[rc]
-            Y[t, i + 3] = d * s[rd]
-        i += 4
-    while i < i1:
-        r = rows[i]
-        qr = q[r]
-        for t in range(T):
-            Y[t, i] = dot1(qr, X[t], 0) * s[r]
-        i += 1
-
-
-@numba.njit(**SERIAL)
-def _fold(X, col):  # pragma: no cover - compiled
-    """x·col for q8_2f (a copy), X itself for q8_row (empty col)."""
-    if col.shape[0] == 0:
-        return X
-    out = np.empty_like(X)
-    for t in range(X.shape[0]):
-        for k in range(X.shape[1]):
-            out[t, k] = X[t, k] * col[k]
-    return out
-
-
-@numba.njit(**SERIAL)
-def q8_rows_all(q, s, col, X, Y, rows):  # pragma: no cover - compiled
-    """q8_rows over every given row, the column field folded into x first."""
-    q8_rows(q, s, _fold(X, col), Y, rows, 0, rows.shape[0])
-
-
-@numba.njit(**PARALLEL)
-def q8_rows_par(q, s, col, X, Y, rows, nt):  # pragma: no cover - compiled
-    """q8_rows over one contiguous chunk of ``rows`` per thread (``nt`` threads)."""
-    X = _fold(X, col)
-    n = rows.shape[0]
-    step = ((n + nt - 1) // nt + 3) // 4 * 4
-    for j in prange(nt):
-        i0 = min(n, j * step)
-        i1 = min(n, i0 + step)
-        q8_rows(q, s, X, Y, rows, i0, i1)
+from .rows import row_dots_all, row_dots_par
 
 
 @numba.njit(**SERIAL)
@@ -105,7 +53,7 @@ def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
 class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
 
-    group_family = "q8"
+    group_family = "rows:q8"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
@@ -114,7 +62,7 @@ class Q8Linear(FusedLinear):
                 gemm.bufs("gemm-f", nt, gemm.step_rows(k, 16), k), nt)
 
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
-    rows_exact = True  # q8_rows: one row's dot products, the same for every batch size
+    rows_exact = True  # rows.row_dots: one row's dot products, the same for every batch size
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -134,9 +82,13 @@ class Q8Linear(FusedLinear):
 
     def _matmul_rows(self, rows, X, Y, par):
         if par:
-            q8_rows_par(self.q, self.s, self.col, X, Y, rows, threads())
+            row_dots_par(self.q, 0, self.s, self.col, X, Y, rows, threads())
         else:
-            q8_rows_all(self.q, self.s, self.col, X, Y, rows)
+            row_dots_all(self.q, 0, self.s, self.col, X, Y, rows)
+
+    def group_arrays(self) -> tuple:
+        """(rows, kind, scales, column field): what the grouped decode products take (:mod:`.rows`)."""
+        return self.q, 0, self.s, self.col
 
     def _dequant(self, r0, r1, out, par):
         self._dequant_rows(self.all_rows[r0:r1], out, par)

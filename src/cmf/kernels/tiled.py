@@ -47,7 +47,14 @@ class TiledLinear(FusedLinear):
 
     @property
     def group_family(self) -> str:
-        return f"tiled{self.width}"
+        return f"tiled:{self.width}"
+
+    def group_arrays(self) -> tuple:
+        """What gemv.tiled_group takes of each matrix: (kind, planes, f16 scales, code words,
+        ladder bases, ladder params, exp2 table, ready flags, stored source, stored scales,
+        code scales, tail rows)."""
+        return (self.kind, self.planes, self.sc, self.cw, self.lad, self.params, self.exp2tab, self.ready,
+                self.src, self.scs, self.cs, self.tail)
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""

@@ -149,6 +149,10 @@ class VbitLinear(FusedLinear):
         # not the codec's validating decode_rows: an embedding lookup per decoded token (~2 ms)
         vbit_dequant_rows(self.data, self.widths, self.starts, self.soff, F16_TABLE, rows, out)
 
+    def group_arrays(self) -> tuple:
+        """(data, widths, starts, scale offset): what the grouped decode products take (gemv.vbit_group)."""
+        return self.data, self.widths, self.starts, np.int64(self.soff)
+
     def _matmul(self, X, Y, par):
         self._matmul_rows(self.all_rows, X, Y, par)
 
