@@ -19,7 +19,7 @@ from ._jit import PARALLEL, SERIAL, bf16_to_f32, f16_to_f32, parallel_for, threa
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .registry import family
-from .rows import EMPTY, row_dots_all, row_dots_par
+from .rows import ALL_ROWS, EMPTY, row_dots_all, row_dots_par
 
 F32, F16, BF16 = 0, 1, 2
 
@@ -74,11 +74,10 @@ class F32Linear(FusedLinear):
         """The row kernel for any batch (``_matmul`` is BLAS, whose rows depend on the batch shape)."""
         X, _ = as_batch(x, self.in_features)
         Y = np.empty((X.shape[0], self.out_features), np.float32)
-        rows = np.arange(self.out_features, dtype=np.int64)
         if Y.size and parallel_for(self.work * X.shape[0]):
-            row_dots_par(self.w, F32, EMPTY, EMPTY, X, Y, rows, threads())
+            row_dots_par(self.w, F32, EMPTY, EMPTY, X, Y, ALL_ROWS, threads())
         elif Y.size:
-            row_dots_all(self.w, F32, EMPTY, EMPTY, X, Y, rows)
+            row_dots_all(self.w, F32, EMPTY, EMPTY, X, Y, ALL_ROWS)
         return Y
 
     def _matmul_rows(self, rows, X, Y, par):
@@ -124,7 +123,7 @@ class HalfLinear(FusedLinear):
         self.all_rows = np.arange(self.out_features, dtype=np.int64)
 
     def _matmul(self, X, Y, par):
-        self._matmul_rows(self.all_rows, X, Y, par)
+        self._matmul_rows(ALL_ROWS, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
         if par:

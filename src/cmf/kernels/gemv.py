@@ -26,7 +26,7 @@ from .q4 import R as TILE_R
 from .q4 import _tail_rows, tiles_run
 from .xprep import fill_x
 from .q1 import q1_rows
-from .rows import fold_cols, row_dots
+from .rows import ALL_ROWS, fold_cols, row_dots
 from .vbit import group_sums, pair_x, vbit_rows
 from .vmath import gated
 
@@ -228,7 +228,8 @@ class MatvecGroup:
         self.kernel = None if self.family is None else self.family.partition(":")[0]
         if self.kernel not in (None, *GROUP_KERNELS):
             raise ValueError(f"group family {self.family!r}: no such group kernel (one of {GROUP_KERNELS})")
-        self.row_index = np.arange(max(self.sizes), dtype=np.int64)  # 0, 1, ... (rows.row_dots indexes by it)
+        # the row kernels' index (vbit/q1: 0, 1, ...; "rows": empty, i.e. every row in order)
+        self.row_index = ALL_ROWS if self.kernel == "rows" else np.arange(max(self.sizes), dtype=np.int64)
         # the offsets padded to GROUP_SLOTS, as the compiled kernels take them
         self.slot_offsets = np.concatenate([self.offs, np.zeros(max(0, GROUP_SLOTS - len(self.ops)), np.int64)])
         arrays = list(zip(*(o.group_arrays() for o in self.ops))) if self.kernel else []

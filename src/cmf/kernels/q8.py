@@ -20,7 +20,7 @@ from ._jit import PARALLEL, SERIAL, int8_f32, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .registry import family
-from .rows import row_dots_all, row_dots_par
+from .rows import ALL_ROWS, row_dots_all, row_dots_par
 
 
 @numba.njit(**SERIAL)
@@ -78,7 +78,7 @@ class Q8Linear(FusedLinear):
         self.all_rows = np.arange(rows, dtype=np.int64)
 
     def _matmul(self, X, Y, par):
-        self._matmul_rows(self.all_rows, X, Y, par)
+        self._matmul_rows(ALL_ROWS, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
         if par:
