@@ -27,8 +27,8 @@ from .encoding import calibrated_dtypes, encode
 from .sensitivity import DEFAULT_SAMPLE_TOKENS
 from .stats import Collector, InputStats, Recorder
 
-__all__ = ["Calibration", "CalibrationError", "Progress", "DEFAULT_MAX_TOKENS", "DEFAULT_SENSITIVITY_TOKENS", "DEFAULT_WINDOW",
-           "MIN_TOKENS", "collect",
+__all__ = ["Calibration", "CalibrationError", "Progress", "DEFAULT_MAX_TOKENS", "DEFAULT_SENSITIVITY_TOKENS",
+           "DEFAULT_WINDOW", "MIN_TOKENS", "collect",
            "calibrated_dtypes", "encode"]
 
 log = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ once per step, each weight serves all B rows: every thread takes its chunk of ro
 matrix — the same chunks as the one-token :class:`~cmf.kernels.gemv.MatvecGroup` — and for each
 group of four rows (a quarter of the chunk apart, so the prefetchers see four long streams) it
 computes the dot products with all B inputs while the rows sit in L1. Each (row, input) sum is
-the one-token kernel's ``dot_ir.dot4`` on the same data, so a sequence's products are bit-for-bit those
-it gets alone, whatever else is in the batch (both run :mod:`.rows`' one body). The paired kernel (``dot_ir.dot22``) converts each
-weight block once for two inputs, in the same summation order (``dot_ir``: one order written in IR
+the one-token kernel's ``dot_ir.dot4`` on the same data (both run :mod:`.rows`' one body), so a
+sequence's products are bit-for-bit those it gets alone, whatever else is in the batch. The
+paired kernel (``dot_ir.dot22``) converts each weight block once for two inputs, in the same summation order (``dot_ir``: one order written in IR
 for every kernel and CPU); a group uses it from
 ``PAIRED_MIN_T`` inputs on (below, the weight stream bounds the step and the plain kernel's four
 rows in flight keep more of it going) after checking, once, that it reproduces the one-token
