@@ -3,6 +3,9 @@
 # vendored in llama-cpp-python's sdist (the Python binding ships the library, not these tools).
 # Used by benchmarks/quality_real.py --llama-bin. About 15 minutes on 2 cores.
 #   bash benchmarks/build_llama_tools.sh [WORK_DIR]   -> prints the bin folder
+# The same folder holds libllama.so: llama-cpp-python can load it instead of compiling its own copy
+# (another ~10 minutes): `CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install WORK_DIR/llama_cpp_python-$VERSION.tar.gz`,
+# then run with `LLAMA_CPP_LIB_PATH=<bin folder>` (how the 2026-12-04 quality run was made).
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 WORK="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/pycmf/llama-tools}"
