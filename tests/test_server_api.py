@@ -110,7 +110,11 @@ def test_forced_tool_call_streams_as_deltas(client):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas if d.tool_calls for tc in d.tool_calls]
     assert calls and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
-    assert len(calls) > 2 and {tc.index for tc in calls} == {0}  # the arguments arrive in pieces
+    # the name first, then the arguments: in pieces as they are generated, though events that
+    # pile up between two flushes are merged (the tiny model's ~20 argument tokens can all land in
+    # one 25 ms window, more so on a loaded machine: seen in CI). That the stream yields argument
+    # pieces as the text arrives is test_call_stream_holds_calls's.
+    assert len(calls) >= 2 and calls[0].function.arguments == "" and {tc.index for tc in calls} == {0}
     jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)), WEATHER)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
