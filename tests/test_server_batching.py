@@ -440,12 +440,12 @@ def test_channel_hands_over_at_most_once_per_interval():
 @pytest.mark.parametrize("usage", [True, False])
 def test_content_frames_are_the_chunks_bytes(usage):
     """The per-token SSE template writes exactly what dumping the chunk dict would."""
-    from cmf.server import schemas as S
+    from cmf.server import responses as R
     from cmf.server.plumbing import sse
 
-    frames = S.ContentFrames("chatcmpl-x", 17, 'm"odel\u00e9', with_usage_field=usage)
+    frames = R.ContentFrames("chatcmpl-x", 17, 'm"odel\u00e9', with_usage_field=usage)
     for text in ("hi", "", 'quo"te\\ \n\t', "héllo 🙂", "\x00\u2028"):
-        assert frames(text) == sse(S.chat_chunk("chatcmpl-x", 17, 'm"odel\u00e9', {"content": text},
+        assert frames(text) == sse(R.chat_chunk("chatcmpl-x", 17, 'm"odel\u00e9', {"content": text},
                                                 with_usage_field=usage))
 
 

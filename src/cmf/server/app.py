@@ -27,6 +27,7 @@ from starlette.types import ASGIApp
 
 from . import chat_route, completion_route
 from . import embeddings as emb
+from . import responses as O
 from . import schemas as S
 from .engine import Engine
 from .filewatch import FileWatch
@@ -217,13 +218,13 @@ class _Api:
         return JSONResponse(body)
 
     async def models(self, request: Request) -> Response:
-        card = S.model_card(self.model_id, self.created, {"ctx_size": self.model.ctx_size, "tasks": self.model.tasks,
+        card = O.model_card(self.model_id, self.created, {"ctx_size": self.model.ctx_size, "tasks": self.model.tasks,
                                                           "skills": self.model.skills})
         return JSONResponse({"object": "list", "data": [card]})
 
     async def model_card(self, request: Request) -> Response:
         self._check_model(request.path_params["model_id"])
-        return JSONResponse(S.model_card(self.model_id, self.created, self.info))
+        return JSONResponse(O.model_card(self.model_id, self.created, self.info))
 
     async def tokenize(self, request: Request) -> Response:
         """The prompt tokens a chat (or completion) body would run with, against the context:
@@ -237,7 +238,7 @@ class _Api:
             ids = (await chat_route.plan(self, req)).ids
         else:
             ids = await self._completion_ids(req)
-        return JSONResponse(S.tokenize_result(self.model_id, ids, self.model.ctx_size, return_ids=parsed.return_ids))
+        return JSONResponse(O.tokenize_result(self.model_id, ids, self.model.ctx_size, return_ids=parsed.return_ids))
 
     async def chat(self, request: Request) -> Response:
         # tools, structured output, reasoning and n > 1 live in chat_route
@@ -268,7 +269,7 @@ class _Api:
         job = Job(ids, req.sampling, max_tokens, chan.put, logprobs=want_lp, top_logprobs=req.logprobs or 0,
                   task=task, skill=skill, blend=blend, route_prompt=req.prompt)
         self._submit(job)
-        rid, created = S.new_id("cmpl"), S.now()
+        rid, created = O.new_id("cmpl"), O.now()
         echo = prompt_text if req.echo else ""
         if not req.stream:
             got = await self._collect(request, job, chan)
@@ -276,23 +277,23 @@ class _Api:
                 return Response(status_code=499)
             text, lps, fin = got
             self._log_usage(request, fin)
-            return JSONResponse(S.text_completion(
+            return JSONResponse(O.text_completion(
                 rid, created, self.model_id, echo + text, fin.finish_reason, prompt_tokens=fin.prompt_tokens,
                 completion_tokens=fin.completion_tokens,
-                logprobs=S.completion_logprobs(lps, len(echo)) if want_lp else None, extra=self._extra(fin),
+                logprobs=O.completion_logprobs(lps, len(echo)) if want_lp else None, extra=self._extra(fin),
                 cached_tokens=fin.cached_tokens))
 
         async def stream() -> AsyncIterator[str]:
             offset = len(echo)
             if echo:
-                yield sse(S.text_completion(rid, created, self.model_id, echo, None, chunk=True))
+                yield sse(O.text_completion(rid, created, self.model_id, echo, None, chunk=True))
             while True:
                 frames: list[str] = []
                 for ev in coalesce(await chan.get()):
                     if isinstance(ev, Delta):
-                        lp = S.completion_logprobs(ev.logprobs, offset) if want_lp else None
+                        lp = O.completion_logprobs(ev.logprobs, offset) if want_lp else None
                         offset += len(ev.text)
-                        frames.append(sse(S.text_completion(rid, created, self.model_id, ev.text, None, logprobs=lp,
+                        frames.append(sse(O.text_completion(rid, created, self.model_id, ev.text, None, logprobs=lp,
                                                             chunk=True)))
                     elif isinstance(ev, Finished):
                         self._log_usage(request, ev)
@@ -301,11 +302,11 @@ class _Api:
                                                            code="unavailable")))
                             yield "".join(frames)
                             return
-                        frames.append(sse(S.text_completion(rid, created, self.model_id, "", ev.finish_reason,
+                        frames.append(sse(O.text_completion(rid, created, self.model_id, "", ev.finish_reason,
                                                             chunk=True, extra=self._extra(ev))))
                         if req.include_usage:
                             frames.append(sse({"id": rid, "object": "text_completion", "created": created,
-                                               "model": self.model_id, "choices": [], "usage": S.usage(
+                                               "model": self.model_id, "choices": [], "usage": O.usage(
                                                    ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)}))
                         frames.append("data: [DONE]\n\n")
                         yield "".join(frames)

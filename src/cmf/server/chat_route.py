@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import reasoning as R
+from . import responses as O
 from . import schemas as S
 from . import structured as G
 from . import tools_calls as T
@@ -147,7 +148,7 @@ async def chat(api: "_Api", request: Request) -> Response:
     for j in jobs:
         api._submit(j)
     choices = [Choice(i) for i in range(req.n)]
-    rid, created = S.new_id("chatcmpl"), S.now()
+    rid, created = O.new_id("chatcmpl"), O.now()
     if not req.stream:
         return await _whole(api, request, req, p, jobs, chan, choices, rid, created)
     return SSEResponse(_stream(api, request, req, p, chan, choices, rid, created), jobs)
@@ -208,11 +209,11 @@ async def _whole(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, job
     for c in choices:
         msg, called = _message(p, "".join(c.text))
         out_choices.append({"index": c.index, "message": msg,
-                            "logprobs": S.chat_logprobs(c.logprobs) if req.logprobs else None,
+                            "logprobs": O.chat_logprobs(c.logprobs) if req.logprobs else None,
                             "finish_reason": "tool_calls" if called else c.fin.finish_reason})
     fin = _total(fins)
     api._log_usage(request, fin)
-    body = S.chat_completion(rid, created, api.model_id, "", fin.finish_reason, fin.prompt_tokens,
+    body = O.chat_completion(rid, created, api.model_id, "", fin.finish_reason, fin.prompt_tokens,
                              fin.completion_tokens, None, api._extra(fins[0]), cached_tokens=fin.cached_tokens)
     body["choices"] = out_choices
     return JSONResponse(body)
@@ -240,7 +241,7 @@ def _total(fins: list[Finished]) -> Finished:
 async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, chan: Channel,
                   choices: list[Choice], rid: str, created: int) -> AsyncIterator[str]:
     def mk(i: int, delta: dict[str, Any], **kw: Any) -> str:
-        chunk = S.chat_chunk(rid, created, api.model_id, delta, with_usage_field=req.include_usage, **kw)
+        chunk = O.chat_chunk(rid, created, api.model_id, delta, with_usage_field=req.include_usage, **kw)
         chunk["choices"][0]["index"] = i
         return sse(chunk)
 
@@ -248,7 +249,7 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
         c.reason = R.ReasoningStream(p.opened) if p.thinks else None
         c.calls = T.CallStream(p.syntax, p.tools.forced) if p.tools is not None else None
     yield "".join(mk(c.index, {"role": "assistant", "content": ""}) for c in choices)
-    plain = S.ContentFrames(rid, created, api.model_id, with_usage_field=req.include_usage)
+    plain = O.ContentFrames(rid, created, api.model_id, with_usage_field=req.include_usage)
 
     def text_frames(c: Choice, text: str, lps: list, final: bool = False) -> list[str]:
         frames: list[str] = []
@@ -306,7 +307,7 @@ async def _stream(api: "_Api", request: Request, req: S.ChatRequest, p: Plan, ch
     api._log_usage(request, fin)
     tail = []
     if req.include_usage:
-        tail.append(sse(S.chat_chunk(rid, created, api.model_id, None,
-                                     usage_obj=S.usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))))
+        tail.append(sse(O.chat_chunk(rid, created, api.model_id, None,
+                                     usage_obj=O.usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))))
     tail.append("data: [DONE]\n\n")
     yield "".join(tail)

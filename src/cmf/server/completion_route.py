@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from . import responses as O
 from . import schemas as S
 from .chat_route import Choice, Jobs, _events, _total, collect
 from .jobs import Delta, Finished, Job
@@ -35,7 +36,7 @@ async def many(api: "_Api", request: Request, req: S.CompletionRequest, ids: lis
     for j in jobs:
         api._submit(j)
     choices = [Choice(i) for i in range(req.n)]
-    rid, created = S.new_id("cmpl"), S.now()
+    rid, created = O.new_id("cmpl"), O.now()
     if req.stream:
         return SSEResponse(_stream(api, request, req, chan, choices, echo, rid, created), jobs)
 
@@ -44,11 +45,11 @@ async def many(api: "_Api", request: Request, req: S.CompletionRequest, ids: lis
         return Response(status_code=499)
     fin = _total(fins)
     api._log_usage(request, fin)
-    body = S.text_completion(rid, created, api.model_id, "", None, prompt_tokens=fin.prompt_tokens,
+    body = O.text_completion(rid, created, api.model_id, "", None, prompt_tokens=fin.prompt_tokens,
                              completion_tokens=fin.completion_tokens, extra=api._extra(fins[0]),
                              cached_tokens=fin.cached_tokens)
     body["choices"] = [{"index": c.index, "text": echo + "".join(c.text),
-                        "logprobs": S.completion_logprobs(c.logprobs, len(echo)) if want_lp else None,
+                        "logprobs": O.completion_logprobs(c.logprobs, len(echo)) if want_lp else None,
                         "finish_reason": c.fin.finish_reason} for c in choices]
     return JSONResponse(body)
 
@@ -59,7 +60,7 @@ async def _stream(api: "_Api", request: Request, req: S.CompletionRequest, chan:
     offsets = [len(echo)] * len(choices)
 
     def mk(i: int, text: str, reason: str | None, **kw: Any) -> str:
-        chunk = S.text_completion(rid, created, api.model_id, text, reason, chunk=True, **kw)
+        chunk = O.text_completion(rid, created, api.model_id, text, reason, chunk=True, **kw)
         chunk["choices"][0]["index"] = i
         return sse(chunk)
 
@@ -70,7 +71,7 @@ async def _stream(api: "_Api", request: Request, req: S.CompletionRequest, chan:
             frames: list[str] = []
             for i, ev in evs:
                 if isinstance(ev, Delta):
-                    lp = S.completion_logprobs(ev.logprobs, offsets[i]) if want_lp else None
+                    lp = O.completion_logprobs(ev.logprobs, offsets[i]) if want_lp else None
                     offsets[i] += len(ev.text)
                     frames.append(mk(i, ev.text, None, logprobs=lp))
                 elif isinstance(ev, Finished):
@@ -91,6 +92,6 @@ async def _stream(api: "_Api", request: Request, req: S.CompletionRequest, chan:
     tail = []
     if req.include_usage:
         tail.append(sse({"id": rid, "object": "text_completion", "created": created, "model": api.model_id,
-                         "choices": [], "usage": S.usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)}))
+                         "choices": [], "usage": O.usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)}))
     tail.append("data: [DONE]\n\n")
     yield "".join(tail)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .schemas import RequestError
+from .errors import RequestError
 
 log = logging.getLogger(__name__)
 

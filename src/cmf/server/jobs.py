@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from ..runtime.sampling import Processor
-from .schemas import Sampling, TokenLogprob
+from .responses import TokenLogprob
+from .schemas import Sampling
 
 # A token mask: given the tokens generated so far, the allowed next tokens (bool [vocab]) or None
 # for "any". Called once per step before sampling, after the logits processors.

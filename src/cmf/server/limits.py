@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import bad
+
 MAX_STOP_CHARS = 1024  # one stop string; each is searched for in the tail of the text after every token
 MAX_LOGIT_BIAS = 1024  # entries: each is applied to every step's logits
 MAX_MESSAGES = 10_000  # chat turns; each is rendered by the template
@@ -43,8 +45,6 @@ def depth_and_size(obj: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
 def check_schema_bounds(obj: Any, param: str) -> None:
     """400 when ``obj`` (a schema or grammar object) nests deeper than MAX_SCHEMA_DEPTH or holds
     more than MAX_SCHEMA_NODES values."""
-    from .schemas import bad
-
     depth, nodes = depth_and_size(obj, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES)
     if depth > MAX_SCHEMA_DEPTH:
         raise bad(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param, "schema_too_deep")
@@ -54,8 +54,6 @@ def check_schema_bounds(obj: Any, param: str) -> None:
 
 def check_chat_bounds(body: dict[str, Any]) -> None:
     """The chat-only bounds: message count, tool count, tool / response_format / grammar schemas."""
-    from .schemas import bad
-
     msgs = body.get("messages")
     if isinstance(msgs, list) and len(msgs) > MAX_MESSAGES:
         raise bad(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(msgs)}", "messages",

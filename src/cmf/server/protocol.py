@@ -21,7 +21,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .schemas import error_body
+from .errors import error_body
 
 HEAD_TIMEOUT = 20.0  # seconds for a request head; browsers' idle preconnects live ~10 s
 MAX_HEAD_BYTES = 16 << 10  # a request head (request line + headers), as h11's limit for an incomplete one

@@ -18,7 +18,7 @@ import numpy as np
 from ..runtime.cache import Cache
 from ..runtime.sampling import make_logits_processors, make_sampler
 from .jobs import Delta, Event, Finished, Job
-from .schemas import TokenLogprob
+from .responses import TokenLogprob
 from .tokens import TokenText
 
 

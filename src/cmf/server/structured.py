@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .schemas import RequestError, bad
+from .errors import RequestError, bad
 
 log = logging.getLogger(__name__)
 

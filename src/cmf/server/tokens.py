@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .schemas import TokenLogprob
+from .responses import TokenLogprob
 
 MAX_CACHED = 1 << 18  # token texts kept (a vocabulary's worth for most models)
 

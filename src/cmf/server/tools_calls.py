@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .schemas import bad
+from .errors import bad
 from .structured import bounded, check_schema
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
