@@ -282,7 +282,12 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             xs = [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
                 _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
                 for j in range(pieces)]
-            acc = [[None] * 4 for _ in range(pieces)]
+            def codes_of(w: int, c: int) -> list:  # word w of rows 16c .. 16c + 15, one vector per phase
+                at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
+                word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
+                return [builder.and_(word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16)), msk)
+                        for p in range(phases)]
+
             if (path or int_dot.DOT_PATH) == "vnni512":
                 # word by word, the 4 row blocks × pieces accumulators interleaved: 4·pieces
                 # independent vpdpbusd chains in flight (32 zmm registers hold them). Block by
@@ -292,23 +297,15 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
                 for w in range(width // 4):
                     for c in range(4):
-                        at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
-                        word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
-                        for p in range(phases):
-                            part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
-                            codes = builder.and_(part, msk)
+                        for p, codes in enumerate(codes_of(w, c)):
                             for j in range(pieces):
                                 acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][w * phases + p])
-            for c in range(4 if acc[0][0] is None else 0):  # rows 16c .. 16c + 15
-                codes = []  # the 8 (word, phase) code vectors of the group, in xs's order
-                for w in range(width // 4):
-                    at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
-                    word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
-                    for p in range(phases):
-                        part = word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16))
-                        codes.append(builder.and_(part, msk))
-                for j, tot in enumerate(int_dot.group_dots(builder, codes, xs, path)):
-                    acc[j][c] = tot
+            else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers
+                acc = [[None] * 4 for _ in range(pieces)]
+                for c in range(4):
+                    codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
+                    for j, tot in enumerate(int_dot.group_dots(builder, codes, xs, path)):
+                        acc[j][c] = tot
             for c in range(4):
                 total = acc[0][c]
                 for j in range(1, pieces):  # S_0·2^14 + S_1·2^7 + S_2: < 2^30 for 4-bit codes

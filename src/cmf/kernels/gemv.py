@@ -62,7 +62,7 @@ def _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, j, act, width):  # pra
 @numba.njit(**PARALLEL)
 def rows_group(ws, kind, ss, cols, X, Y, offs, rows, nt, act, width):  # pragma: no cover - compiled
     """Every matrix of ``ws`` (one dtype family) times X[0], one chunk of rows per thread
-    (``rows``: 0, 1, 2, ... up to the largest matrix; :func:`~cmf.kernels.rows.row_dots` indexes by it)."""
+    (``rows``: :data:`~cmf.kernels.rows.ALL_ROWS`, every row in order)."""
     for j in prange(nt):
         _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, np.int64(j), act, width)
 

@@ -51,39 +51,11 @@ def fold_cols(X, col):  # pragma: no cover - compiled
 
 
 @numba.njit(**SERIAL)
-def _row_dots1(w, kind, s, x, y, rows, i0, i1):  # pragma: no cover - compiled
-    """:func:`row_dots` for one vector ``x`` into ``y`` (the same groups, the same values)."""
-    L = (i1 - i0) // 4
-    scaled = s.shape[0] > 0
-    for j in range(L):
-        ia = i0 + j
-        ib, ic, id_ = ia + L, ia + 2 * L, ia + 3 * L
-        ra, rb, rc, rd = _row(rows, ia), _row(rows, ib), _row(rows, ic), _row(rows, id_)
-        a, b, c, d = dot4(w[ra], w[rb], w[rc], w[rd], x, kind)
-        if scaled:
-            a *= s[ra]
-            b *= s[rb]
-            c *= s[rc]
-            d *= s[rd]
-        y[ia] = a
-        y[ib] = b
-        y[ic] = c
-        y[id_] = d
-    for i in range(i0 + 4 * L, i1):
-        r = _row(rows, i)
-        a = dot1(w[r], x, kind)
-        y[i] = a * s[r] if scaled else a
-
-
-@numba.njit(**SERIAL)
 def row_dots(w, kind, s, X, Y, rows, i0, i1):  # pragma: no cover - compiled
     """Y[t, i] = (w[rows[i]]·X[t])·s[rows[i]] for i in [i0, i1) and every t (s empty: no scale;
     ``rows`` empty: row i itself), four rows at a time taken a quarter of the range apart."""
     L = (i1 - i0) // 4
     T = X.shape[0]
-    if T == 1:  # one token (a decode): the loop without the vector loop around each dot
-        _row_dots1(w, kind, s, X[0], Y[0], rows, i0, i1)
-        return
     scaled = s.shape[0] > 0
     for j in range(L):
         ia = i0 + j
