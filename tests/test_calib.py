@@ -26,7 +26,7 @@ CALIB_TEXT = SHARED / "texts" / "man-calib.txt"
 needs_shared = pytest.mark.skipif(not (BASE / "model.safetensors").exists() or not CALIB_TEXT.exists(),
                                   reason="../shared/models (base model and texts) not present")
 
-FEEDBACK_DTYPES = ["q4_block", "q4_tiled", "q4tp", "q2tp", "q8_row"]
+FEEDBACK_DTYPES = ["q4_block", "q4_tiled", "q4tp", "q2tp", "q8_row", "vbit", "vbit_ro"]
 
 
 def loud_inputs(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,6 +86,14 @@ def test_gptq_levels_are_levels_of_the_dtype():
         lv = feedback.gptq_levels(w, s, st.mean_hessian(), kind)
         assert np.isin(lv[s != 0], allowed).all()
         assert (lv[s == 0] == 0).all()
+    # vbit: integers within each row's own range -L .. L+1
+    lo = -np.array([3, 7, 15, 31] * 4, np.float64)
+    lv = feedback.gptq_levels(w * 50, s, st.mean_hessian(), "int", bounds=(lo, -lo + 1))
+    assert (lv == np.rint(lv)).all()
+    assert ((lv >= lo[:, None]) & (lv <= -lo[:, None] + 1)).all()
+    assert (lv == lo[:, None]).any() and (lv == -lo[:, None] + 1).any()  # both ends reached (clipped)
+    with pytest.raises(ValueError, match="needs bounds"):
+        feedback.gptq_levels(w, s, st.mean_hessian(), "int")
 
 
 def test_plain_rounding_when_the_hessian_is_identity():
@@ -111,17 +119,19 @@ def test_q1t_and_vbit_take_the_importance():
     st = stats_of(x)
     # q1t: the overlay and scales follow |W|·RMS(x): output error below the plain encoding's
     assert out_err(w, calib.encode(w, "q1t", st), "q1t", x) < out_err(w, q.encode(w, "q1t"), "q1t", x)
-    # vbit: a uniform importance changes nothing; a skewed one moves bits between rows
+    # vbit: a uniform importance changes nothing; a skewed one changes the scales, not the widths
     np.testing.assert_array_equal(np.frombuffer(q.encode(w, "vbit", importance=np.ones(256)), np.uint8),
                                   np.frombuffer(q.encode(w, "vbit"), np.uint8))
-    w[:16, :8] *= 4  # rows 0..15 are loud only on inputs 0..7
     imp = np.ones(256, np.float32)
-    imp[:8] = 1e-4  # ... which calibration never excites
-    plain_bits = np.frombuffer(q.encode(w, "vbit"), np.uint8)[:32]
-    imp_bits = np.frombuffer(q.encode(w, "vbit", importance=imp), np.uint8)[:32]
-    assert imp_bits[:16].mean() < plain_bits[:16].mean()
+    imp[::5] = 50.0  # a few inputs of every group matter most
+    plain, weighted = q.encode(w, "vbit"), q.encode(w, "vbit", importance=imp)
+    assert plain[:32] == weighted[:32] and plain != weighted
+    cols_err = [np.square(q.decode(d, "vbit", w.shape) - w).sum(axis=0) for d in (plain, weighted)]
+    assert (cols_err[1] * imp).sum() < (cols_err[0] * imp).sum()
     with pytest.raises(ValueError, match="importance has 3 values"):
         q.encode(w, "vbit", importance=np.ones(3))
+    with pytest.raises(ValueError, match="needs encoder='mse'"):
+        q.encode(w, "vbit", importance=imp, encoder="reference")
 
 
 def test_without_statistics_encoding_is_plain():

@@ -1,7 +1,7 @@
 """Golden bytes: the sha256 of every encoder's output on one fixed seeded matrix is pinned, so any
 change to an encoder's bytes is deliberate (update the pin in the same commit and say why).
 
-The 4- and 2-bit group dtypes have two encoders: ``encoder="reference"`` pins the reference's
+The 4- and 2-bit group dtypes and vbit have two encoders: ``encoder="reference"`` pins the reference's
 bytes (REFERENCE_NOTES §1.8, unchanged since they were first pinned); the default pins are the
 ``mse`` encoder's (cmf.quant.mse)."""
 
@@ -34,9 +34,12 @@ PINNED = {
     ("q4_block", (('encoder', 'reference'),)): "9a7ccdcb92ae6f2b02dd41f9cd49291f26419d9a8b9b8966f0f18cd3e58f38e4",
     ("q4_block", ()): "f0520ba77a2286ea9d809bd48fd5ee7cfee436815fef43e93b8ff34c6aa5776a",
     ("q8_2f", ()): "e75cc783eed34d6c37baa7804774b1cd0a64f48a351c4167f8849334e9cc276c",
-    ("vbit", ()): "e7d3f7c79701ebf84f49902db3ef469786b119faaba2ee50bc01ad8815d449b0",
-    ("vbit", (('mean_bits', 3.5),)): "426b95e95ff8d2aa108e9de99c21049065b00ce6ea3d81fd187bb81aa6e4a47d",
-    ("vbit_ro", ()): "30c5dd962a3f56368e9b3ff4d3618d11cb84a88bb420f54156027b4e47afcd77",
+    ("vbit", (('encoder', 'reference'),)): "e7d3f7c79701ebf84f49902db3ef469786b119faaba2ee50bc01ad8815d449b0",
+    ("vbit", (('encoder', 'reference'), ('mean_bits', 3.5))): "426b95e95ff8d2aa108e9de99c21049065b00ce6ea3d81fd187bb81aa6e4a47d",
+    ("vbit_ro", (('encoder', 'reference'),)): "30c5dd962a3f56368e9b3ff4d3618d11cb84a88bb420f54156027b4e47afcd77",
+    ("vbit", ()): "dad9630e7d7b2f0a50961a1b35b967fc7941018c0da423074c7ef5c30a584f6f",
+    ("vbit", (('mean_bits', 3.5),)): "821ad412b90d33639a600fd56cb42dc4e013fe60301467e4a91e16333ee354e2",
+    ("vbit_ro", ()): "dc950b850de7d72388ea52002492ca2be8004ca3ccc0a2007f9a608fa93cbeab",
     ("q4_tiled", (('encoder', 'reference'),)): "6c0f7ad0be8173df9460f751d3bbf91be3f2028d82e8d5e9c7580598ebec18d5",
     ("q4_tiled", ()): "1f095ac693fb1522192d6235f31b42ffc68e9bbc45eb71cb694dc792e7ea4564",
     ("q4tp", (('encoder', 'reference'),)): "8edf27dc2cc3bbc879308049055c4af88db6d7da736b9bca342475c77d2109ef",

@@ -1,4 +1,4 @@
-"""The ``mse`` encoder of q4_block / q4_tiled / q4tp / q2tp: valid bytes, less error, importance."""
+"""The ``mse`` encoder of q4_block / q4_tiled / q4tp / q2tp and vbit: valid bytes, less error, importance."""
 
 from __future__ import annotations
 
@@ -109,6 +109,19 @@ def test_mse_reduces_squared_error_against_the_reference(name: str, plain: float
         m = _magnitude_weights(w)
         assert _sse(name, w, m) < weighted * _sse(name, w, m, encoder="reference")
     assert _sse(name, w, encoder="mse") == _sse(name, w)  # mse is the default
+
+
+@pytest.mark.parametrize("mean_bits", [4.25, 5.0, 6.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vbit_mse_scales_cut_error_at_the_same_widths(mean_bits: float, seed: int) -> None:
+    w = outliers(48, 512, seed)
+    mse_bytes, ref_bytes = q.encode(w, "vbit", mean_bits=mean_bits), q.encode(w, "vbit", mean_bits=mean_bits,
+                                                                              encoder="reference")
+    assert mse_bytes[:48] == ref_bytes[:48] and len(mse_bytes) == len(ref_bytes)  # same widths, same size
+    m = _magnitude_weights(w)
+    assert _sse("vbit", w, mean_bits=mean_bits) < 0.95 * _sse("vbit", w, mean_bits=mean_bits, encoder="reference")
+    assert _sse("vbit", w, m, mean_bits=mean_bits) < 0.95 * _sse("vbit", w, m, mean_bits=mean_bits,
+                                                                 encoder="reference")
 
 
 def test_mse_q4tp_beats_reference_q4t_at_a_smaller_size() -> None:

@@ -51,7 +51,12 @@ def _err_bound(name: str, w: np.ndarray, data: bytes) -> np.ndarray:
         codec = q.get_codec(name)
         data_a, widths, starts, off, cols = codec._layout(data, w.shape)
         s = data_a[off:off + 2 * w.size // GROUP].view("<f2").astype(np.float32).reshape(w.shape[0], -1, 1)
-        return np.broadcast_to(0.5 * s, _groups(w).shape).reshape(w.shape) * (1 + 1e-6) + eps
+        # half a step, or how far past the end levels -L·s .. (L+1)·s a clipped weight lies (mse
+        # scales may clip the largest weight)
+        lvl = ((1 << (widths.astype(np.int64) - 1)) - 1).astype(np.float32)[:, None, None]
+        g = _groups(w)
+        past = np.maximum(np.maximum(-lvl * s - g, g - (lvl + 1) * s), 0)
+        return (np.maximum(0.5 * s, past) * (1 + 1e-6)).reshape(w.shape) + eps
     if name in ("q4tp", "q2tp"):
         codec = q.get_codec(name)
         _, params, codes = codec.split(data, w.shape)
@@ -68,7 +73,7 @@ def _err_bound(name: str, w: np.ndarray, data: bytes) -> np.ndarray:
 @pytest.mark.parametrize("encoder", [None, "reference"])
 def test_round_trip_within_lattice_bound(name: str, seed: int, encoder: str | None) -> None:
     w = matrix(24, 160, seed)
-    opts = {"encoder": encoder} if encoder and name in ("q4_block", "q4_tiled", "q4tp", "q2tp") else {}
+    opts = {"encoder": encoder} if encoder and name in ("q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro") else {}
     data = q.encode(w, name, **opts)
     got = q.decode(data, name, w.shape)
     assert got.dtype == np.float32 and got.shape == w.shape

@@ -9,7 +9,9 @@ Per dtype (``encode``):
 - q8_row: the reference scales (absmax/127), GPTQ rounding, the same guard.
 - q1s / q1t: the importance's square root as ``act_rms`` (the overlay chosen by |W|·RMS(x), and
   q1t's importance-weighted scale fit); q1t keeps a 1% overlay unless told otherwise.
-- vbit / vbit_ro: the per-row widths water-filled over importance-weighted row amplitudes.
+- vbit / vbit_ro: the reference's per-row widths (amplitude water-filling; weighting it by the
+  importance measured worse), the ``mse`` scale search with the importance, then GPTQ rounding
+  within each row's levels ``-L .. L+1``, with the same guard.
 - Everything else (floats, q8_2f, q1): unchanged.
 
 Without statistics for a matrix (the calibration never ran it), the plain encoder runs.
@@ -32,14 +34,16 @@ from .stats import InputStats
 
 log = logging.getLogger(__name__)
 
-_FEEDBACK = {Dtype.Q4_BLOCK: "q4", Dtype.Q4_TILED: "q4", Dtype.Q4TP: "q4", Dtype.Q2TP: "q2", Dtype.Q8_ROW: "q8"}
-_MSE = frozenset({Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP})
+_FEEDBACK = {Dtype.Q4_BLOCK: "q4", Dtype.Q4_TILED: "q4", Dtype.Q4TP: "q4", Dtype.Q2TP: "q2", Dtype.Q8_ROW: "q8",
+             Dtype.VBIT: "int", Dtype.VBIT_RO: "int"}
+_MSE = frozenset({Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP, Dtype.VBIT, Dtype.VBIT_RO})
+_VBIT = (Dtype.VBIT, Dtype.VBIT_RO)
 Q1T_CALIB_KEEP = 0.01
 
 
 def calibrated_dtypes() -> frozenset[Dtype]:
     """The dtypes whose encoding uses calibration statistics."""
-    return frozenset(_FEEDBACK) | {Dtype.Q1S, Dtype.Q1T, Dtype.VBIT, Dtype.VBIT_RO}
+    return frozenset(_FEEDBACK) | {Dtype.Q1S, Dtype.Q1T}
 
 
 def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **options: Any) -> bytes:
@@ -54,9 +58,6 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
         if dt == Dtype.Q1T:
             options.setdefault("keep", Q1T_CALIB_KEEP)
         return quant.encode(w, dt, **options)
-    if dt in (Dtype.VBIT, Dtype.VBIT_RO):
-        options.setdefault("importance", imp)
-        return quant.encode(w, dt, **options)
     if dt in _MSE and options.get("encoder", "mse") == "mse":
         options["importance"] = _normalized(imp)
     plain = quant.encode(w, dt, **options)
@@ -67,7 +68,7 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
     if u is not None:
         scales = element_scales(plain, dt, w.shape)
         levels = feedback.gptq_levels(w[:, perm], scales[:, perm], hess[np.ix_(perm, perm)], _FEEDBACK[dt],
-                                      act_order=False, factor=u)
+                                      act_order=False, factor=u, bounds=_vbit_bounds(plain, dt, w.shape[0]))
     if levels is None:
         log.warning("calibration: the input Hessian of a %s matrix is degenerate; plain rounding kept", w.shape)
         return plain
@@ -95,6 +96,14 @@ def _factor(stats: InputStats) -> tuple[np.ndarray, np.ndarray, np.ndarray | Non
     return out
 
 
+def _vbit_bounds(data: bytes, dtype: Dtype, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """vbit's per-row level range ``-L .. L+1`` (``L = 2^(width-1) - 1``); None for other dtypes."""
+    if dtype not in _VBIT:
+        return None
+    half = (1 << (as_bytes_array(data)[:rows].astype(np.int64) - 1)) - 1
+    return -half.astype(np.float64), half.astype(np.float64) + 1
+
+
 def _normalized(imp: np.ndarray) -> np.ndarray:
     """Importance scaled to mean 1 (only ratios matter; keeps the encoder's f32 sums in range)."""
     m = float(imp.mean())
@@ -109,7 +118,9 @@ def element_scales(data: bytes, dtype: Dtype, shape: tuple[int, int]) -> np.ndar
     if dtype == Dtype.Q8_ROW:
         s = f16_bits_to_f32(buf[rows * cols:].view("<u2"))
         return np.repeat(s[:, None], cols, axis=1)
-    if dtype == Dtype.Q4_BLOCK:
+    if dtype in _VBIT:  # [u8 widths: rows][f16 scales: rows·gpr]...
+        s = f16_bits_to_f32(buf[rows:rows + 2 * rows * gpr].copy().view("<u2")).reshape(rows, gpr)
+    elif dtype == Dtype.Q4_BLOCK:
         s = f16_bits_to_f32(buf[16 * rows * gpr:].view("<u2")).reshape(rows, gpr)
     elif dtype == Dtype.Q4_TILED:
         s = f16_bits_to_f32(buf.reshape(-1, 18)[:, :2].copy().view("<u2").reshape(-1)).reshape(rows, gpr)
@@ -130,6 +141,12 @@ def with_levels(data: bytes, dtype: Dtype, shape: tuple[int, int], levels: np.nd
     if dtype == Dtype.Q8_ROW:
         buf[:rows * cols] = levels.astype(np.int8).reshape(-1).view(np.uint8)
         return buf.tobytes()
+    if dtype in _VBIT:
+        widths = buf[:rows].copy()
+        lo, _ = _vbit_bounds(data, dtype, rows)
+        scales = element_scales(data, dtype, shape)[:, ::GROUP]
+        codes = (np.asarray(levels, np.float64) - lo[:, None]).astype(np.int64)
+        return quant.get_codec(dtype).assemble(widths, scales, codes)
     zero = element_scales(data, dtype, shape).reshape(rows, gpr, GROUP)[..., 0] == 0
     if dtype == Dtype.Q2TP:
         crumbs = (levels + 1.5).astype(np.uint8).reshape(rows, gpr, 8, 4)

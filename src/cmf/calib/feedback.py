@@ -39,27 +39,26 @@ def inverse_cholesky(h: np.ndarray) -> np.ndarray | None:
     return None
 
 
-_KINDS = {"q4": 0, "q2": 1, "q8": 2}
+_KINDS = {"q4": (-8.0, 7.0), "q2": (-1.5, 1.5), "q8": (-128.0, 127.0)}
 
 
 @njit(cache=True, nogil=True)
-def _level(r: float, kind: int) -> float:
-    if kind == 1:  # ±0.5, ±1.5
-        return min(max(np.floor(r) + 0.5, -1.5), 1.5)
-    q = np.rint(r)
-    return min(max(q, -8.0), 7.0) if kind == 0 else min(max(q, -128.0), 127.0)
+def _level(r: float, two_bit: bool, lo: float, hi: float) -> float:
+    if two_bit:  # ±0.5, ±1.5
+        return min(max(np.floor(r) + 0.5, lo), hi)
+    return min(max(np.rint(r), lo), hi)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _round_block(w1: np.ndarray, s1: np.ndarray, u1: np.ndarray, kind: int, levels: np.ndarray,
-                 err: np.ndarray) -> None:
+def _round_block(w1: np.ndarray, s1: np.ndarray, u1: np.ndarray, two_bit: bool, lo: np.ndarray,
+                 hi: np.ndarray, levels: np.ndarray, err: np.ndarray) -> None:
     """One block of columns, row by row (rows are independent within GPTQ's update)."""
     rows, b = w1.shape
     for r in prange(rows):
         for i in range(b):
             x = w1[r, i]
             s = s1[r, i]
-            q = _level(x / s, kind) if s != 0.0 else 0.0
+            q = _level(x / s, two_bit, lo[r], hi[r]) if s != 0.0 else 0.0
             e = (x - q * s) / u1[i, i]
             for j in range(i + 1, b):
                 w1[r, j] -= e * u1[i, j]
@@ -85,15 +84,25 @@ def round_levels(w: np.ndarray, s: np.ndarray, kind: str) -> np.ndarray:
 
 
 def gptq_levels(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray, kind: str,
-                act_order: bool = True, factor: np.ndarray | None = None) -> np.ndarray | None:
+                act_order: bool = True, factor: np.ndarray | None = None,
+                bounds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
     """Levels (rows × cols, f32 level values) for W at per-element ``scales`` under ``hessian``.
 
+    ``kind``: ``"q4"`` (-8..7), ``"q8"`` (-128..127), ``"q2"`` (±0.5, ±1.5) or ``"int"``: integers
+    within per-row ``bounds`` = (lowest, highest) level, e.g. vbit's ``-L .. L+1`` per row width.
     ``act_order``: columns are rounded in decreasing order of diag(H) (the most excited inputs
     first, while the most freedom is left to absorb their error), as GPTQ's act-order; the scales
     being fixed beforehand, the order changes no layout. ``factor``: :func:`inverse_cholesky` of
     the (permuted) Hessian when the caller has it (matrices sharing an input share it). None when
     the Hessian is degenerate beyond damping (the caller keeps its plain rounding)."""
-    if kind not in _KINDS:
+    rows = w.shape[0]
+    if kind == "int":
+        if bounds is None:
+            raise ValueError("kind 'int' needs bounds=(lowest, highest) levels per row")
+        lo, hi = (np.broadcast_to(np.asarray(b, np.float64), (rows,)).copy() for b in bounds)
+    elif kind in _KINDS:
+        lo, hi = (np.full(rows, v, np.float64) for v in _KINDS[kind])
+    else:
         raise ValueError(f"unknown level kind {kind!r}")
     perm = order(hessian) if act_order else np.arange(hessian.shape[0])
     u = factor if factor is not None else inverse_cholesky(hessian[np.ix_(perm, perm)])
@@ -109,7 +118,7 @@ def gptq_levels(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray, kind: st
         err1 = np.empty_like(w1)
         lv = np.empty_like(w1)
         _round_block(w1, np.ascontiguousarray(s[:, i1:i2]), np.ascontiguousarray(u[i1:i2, i1:i2]),
-                     _KINDS[kind], lv, err1)
+                     kind == "q2", lo, hi, lv, err1)
         levels[:, i1:i2] = lv
         if i2 < cols:
             w[:, i2:] -= err1 @ u[i1:i2, i2:]

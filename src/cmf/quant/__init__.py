@@ -64,8 +64,8 @@ __all__ = [
 def encode(array: Any, dtype: Dtype | int | str, **options: Any) -> bytes:
     """Encode an array (anything numpy converts to float32) as ``dtype``'s payload bytes.
 
-    Options per dtype: q4_block/q4_tiled/q4tp/q2tp ``encoder`` (``"mse"`` default, or
-    ``"reference"``) and ``importance`` (mse: per input feature error weights); q4tp/q2tp
+    Options per dtype: q4_block/q4_tiled/q4tp/q2tp/vbit/vbit_ro ``encoder`` (``"mse"`` default,
+    or ``"reference"``) and ``importance`` (mse: per input feature error weights); q4tp/q2tp
     ``search`` (reference only); vbit/vbit_ro ``mean_bits``, ``bias``; q1
     ``diffusion`` (``"q1p"`` sets it); q1s ``keep``, ``act_rms``; q1t ``keep``, ``act_rms``,
     ``correct``, ``colmask``.
