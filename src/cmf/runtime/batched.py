@@ -26,14 +26,12 @@ import numpy as np
 from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
-from .ops.decode import attend_decode, attends_serially, norm_into, qk_norm_rope, rope_append_attend
-from .step import AttnStep, FfnStep
+from .ops.decode import norm_into
+from .step import AttnStep, FfnStep, TokenAttention
 from ..kernels.gemv_batch import BatchGroup
 
 log = logging.getLogger(__name__)
 
-_EMPTY = np.zeros(0, np.float32)
-_ROPE_CACHE_MAX = 1 << 14  # (profile, position) → cos/sin entries kept across steps
 
 
 def _norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -57,8 +55,7 @@ class _LayerOps:
                 parts = [b if b is not None else np.zeros(n, np.float32) for b, n in
                          ((m.qb, self.nq), (m.kb, self.nk), (m.vb, a.kv_heads * a.v_head_dim))]
                 self.bias = np.concatenate(parts).astype(np.float32)[None]
-            self.qn = m.qn if m.qn is not None else _EMPTY
-            self.kn = m.kn if m.kn is not None else _EMPTY
+            self.attend = TokenAttention(m)
         self.dense = isinstance(f, DenseFfn) and FfnStep.supports(f)
         if self.dense:
             self._plain = (BatchGroup([f.gate, f.up], act=f.act_name), BatchGroup([f.down]), None)
@@ -84,22 +81,7 @@ class BatchDecoder:
 
     def __init__(self, model) -> None:  # noqa: ANN001 - a runtime.model.Model
         self.model = model
-        self._rope: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
         self._head: BatchGroup | None = None
-
-    def _cos_sin(self, profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
-        """cos, sin [rotary_dim] at one position, as ``step.rope_at`` computes them (positions recur
-        across sequences and requests: kept in a bounded table)."""
-        key = (id(profile), pos)
-        hit = self._rope.get(key)
-        if hit is not None and hit[0] is profile:
-            return hit[1], hit[2]
-        cos, sin = profile.cos_sin(np.array([pos]))
-        cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
-        if len(self._rope) >= _ROPE_CACHE_MAX:
-            self._rope.clear()
-        self._rope[key] = (profile, cos, sin)
-        return cos, sin
 
     def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> np.ndarray:
         """Feed ``tokens[b]`` to ``caches[b]`` for every b; the logits [B, vocab] (float32)."""
@@ -173,23 +155,8 @@ class BatchDecoder:
         k = qkv[:, ops.nq:ops.nq + ops.nk].reshape(bsz, a.kv_heads, a.head_dim)
         v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
         att = np.empty((bsz, a.heads, a.v_head_dim), np.float32)
-        qn, kn = ops.qn, ops.kn
-        scale, window, softcap = float(a.scale), int(a.window or 0), float(a.softcap or 0.0)
         for i, (kv, pos) in enumerate(zip(states, positions)):
-            qi, ki, vi, out = q[i], k[i], v[i], att[i]
-            cos, sin = self._cos_sin(a.rope, pos)
-            if type(kv) is LayerKV and kv.window is None:  # AttnStep.attend_cached, for row i
-                n = kv.reserve(1)
-                serial = attends_serially(qi, n + 1, nt)
-                rope_append_attend(qi, ki, vi, qn, kn, m.eps, cos, sin, kv.k, kv.v, n, pos, kv.start, scale, window,
-                                   softcap, out, serial)
-                kv.n = n + 1
-                if not serial:
-                    attend_decode(qi, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, scale, window, softcap, out, nt)
-            else:  # sliding windows drop old entries as they append
-                qk_norm_rope(qi, ki, qn, kn, m.eps, cos, sin)
-                keys, vals, k0 = kv.append(ki[None], vi[None])
-                attend_decode(qi, keys, vals, pos, k0, a.scale, a.window, a.softcap, out, nt)
+            ops.attend(q[i], k[i], v[i], kv, pos, att[i], nt)
         if m.head_keep is not None:
             att[:, ~m.head_keep] = 0
         y = ops.o(att.reshape(bsz, -1), nt)

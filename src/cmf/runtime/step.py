@@ -22,18 +22,58 @@ from .ops.decode import (add_into, add_norm_into, attend_decode, attends_seriall
                          rms_norm_into, rope_append_attend)
 
 _EMPTY = np.zeros(0, np.float32)
-_ROPE: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
+_ROPE: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
+_ROPE_MAX = 1 << 14  # (profile, position) entries kept: positions recur across layers, sequences, requests
 
 
 def rope_at(profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
-    """cos, sin [rotary_dim] at one position; every layer sharing ``profile`` reuses them."""
-    hit = _ROPE.get(id(profile))
-    if hit is not None and hit[0] is profile and hit[1] == pos:
-        return hit[2], hit[3]
+    """cos, sin [rotary_dim] at one position, from a bounded table shared by every layer and
+    sequence that uses ``profile`` (the one-token step and the batched step alike)."""
+    key = (id(profile), pos)
+    hit = _ROPE.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1], hit[2]
     cos, sin = profile.cos_sin(np.array([pos]))
     cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
-    _ROPE[id(profile)] = (profile, pos, cos, sin)
+    if len(_ROPE) >= _ROPE_MAX:
+        _ROPE.clear()
+    _ROPE[key] = (profile, cos, sin)
     return cos, sin
+
+
+class TokenAttention:
+    """One token's attention for one layer (a cache per call): q/k norm + RoPE of ``q`` [heads, d]
+    and ``k`` [kv_heads, d] in place, their append to the cache and attention over it into
+    ``out`` [heads, v_dim]. A cache that keeps every entry is written in place by one fused
+    kernel (from ~500 positions the attention itself runs again on ``nt`` threads); a sliding
+    window appends through ``kv.append``, which drops old entries. The one-token step and every
+    row of the batched step call this one object per layer; its constants are read once."""
+
+    __slots__ = ("rope", "eps", "qn", "kn", "scale", "window", "softcap")
+
+    def __init__(self, attn) -> None:  # noqa: ANN001 - blocks.Attention
+        a = attn.a
+        self.rope, self.eps = a.rope, attn.eps
+        self.qn = attn.qn if attn.qn is not None else _EMPTY
+        self.kn = attn.kn if attn.kn is not None else _EMPTY
+        self.scale, self.window, self.softcap = float(a.scale), int(a.window or 0), float(a.softcap or 0.0)
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, pos: int, out: np.ndarray,  # noqa: ANN001
+                 nt: int) -> None:
+        cos, sin = rope_at(self.rope, pos)
+        if type(kv) is LayerKV and kv.window is None:
+            n = kv.reserve(1)
+            serial = attends_serially(q, n + 1, nt)
+            rope_append_attend(q, k, v, self.qn, self.kn, self.eps, cos, sin, kv.k, kv.v, n, pos, kv.start,
+                               self.scale, self.window, self.softcap, out, serial)
+            kv.n = n + 1
+            if not serial:
+                attend_decode(q, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, self.scale, self.window, self.softcap,
+                              out, nt)
+            return
+        qk_norm_rope(q, k, self.qn, self.kn, self.eps, cos, sin)
+        keys, vals, k0 = kv.append(k[None], v[None])
+        attend_decode(q, keys, vals, pos, k0, self.scale, self.window, self.softcap, out, nt)
 
 
 class AttnStep:
@@ -52,18 +92,13 @@ class AttnStep:
             parts = [b if b is not None else np.zeros(n, np.float32) for b, n in
                      ((attn.qb, self.nq), (attn.kb, self.nk), (attn.vb, a.kv_heads * a.v_head_dim))]
             self.bias = np.concatenate(parts).astype(np.float32)[None]
-        self.qn = attn.qn if attn.qn is not None else _EMPTY
-        self.kn = attn.kn if attn.kn is not None else _EMPTY
         # views of ``buf`` made once (a token step would otherwise slice and reshape per layer)
         row = self.buf[0]
         self.q = row[:self.nq].reshape(a.heads, a.head_dim)
         self.k = row[self.nq:self.nq + self.nk].reshape(a.kv_heads, a.head_dim)
         self.v = row[self.nq + self.nk:].reshape(a.kv_heads, a.v_head_dim)
-        self.k1, self.v1 = self.k[None], self.v[None]
         self.att2d = self.att.reshape(1, -1)
-        self.scale = float(a.scale)
-        self.window = int(a.window or 0)
-        self.softcap = float(a.softcap or 0.0)
+        self.attend = TokenAttention(attn)
 
     @staticmethod
     def supports(attn) -> bool:  # noqa: ANN001
@@ -71,38 +106,17 @@ class AttnStep:
         return not a.output_gate and attn.g is None
 
     def __call__(self, h: np.ndarray, kv, pos: int, out: np.ndarray, nt: int) -> np.ndarray:  # noqa: ANN001
-        a, attn = self.a, self.attn
+        attn = self.attn
         self.qkv(h, self.buf, nt)
         if self.bias is not None:
             self.buf += self.bias
-        if type(kv) is LayerKV and kv.window is None:
-            self.attend_cached(kv, pos, nt)
-            att = self.att
-        else:  # sliding-window caches drop old entries as they append
-            cos, sin = rope_at(a.rope, pos)
-            qk_norm_rope(self.q, self.k, self.qn, self.kn, attn.eps, cos, sin)
-            keys, vals, k0 = kv.append(self.k1, self.v1)
-            att = attend_decode(self.q, keys, vals, pos, k0, a.scale, a.window, a.softcap, self.att, nt)
+        self.attend(self.q, self.k, self.v, kv, pos, self.att, nt)
         if attn.head_keep is not None:
-            att[~attn.head_keep] = 0
-        self.o(self.att2d if att is self.att else att.reshape(1, -1), out, nt)
+            self.att[~attn.head_keep] = 0
+        self.o(self.att2d, out, nt)
         if attn.ob is not None:
             out += attn.ob
         return out
-
-    def attend_cached(self, kv: LayerKV, pos: int, nt: int) -> None:
-        """q/k norm + RoPE of ``buf``'s q and k, their cache write and attention into ``att``,
-        in one call (a cache that keeps every entry: written in place); from ~500 positions the
-        attention itself runs again on both threads."""
-        cos, sin = rope_at(self.a.rope, pos)
-        n = kv.reserve(1)
-        serial = attends_serially(self.q, n + 1, nt)
-        rope_append_attend(self.q, self.k, self.v, self.qn, self.kn, self.attn.eps, cos, sin, kv.k, kv.v, n, pos,
-                           kv.start, self.scale, self.window, self.softcap, self.att, serial)
-        kv.n = n + 1
-        if not serial:
-            attend_decode(self.q, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, self.scale, self.window,
-                          self.softcap, self.att, nt)
 
 
 class FfnStep:
@@ -224,7 +238,7 @@ class BlockStep:
         qkv(*qkv_args)
         if at.bias is not None:
             at.buf += at.bias
-        at.attend_cached(kv, pos, nt)
+        at.attend(at.q, at.k, at.v, kv, pos, at.att, nt)
         o(*o_args)
         if at.attn.ob is not None:
             self.a += at.attn.ob
