@@ -1,7 +1,7 @@
 """``prepare_fused(tensor)``: the fused LinearOp for a stored matrix of any dtype.
 
 One class per dtype family (``floats``, ``q8``, ``tiled`` for the 4-bit and ladder formats,
-``vbit``, ``q1``), found through ``registry`` (each class declares its dtypes there); each reads the payload in place through numba kernels (see their module
+``vbit``, ``q1``), found through ``families`` (each class declares its dtypes in ``registry``); each reads the payload in place through numba kernels (see their module
 docstrings for layouts and the 4-bit repack). The payload is validated here once, so a
 crafted file that passed ``open()`` cannot steer a kernel outside its bytes.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ..format.constants import Dtype
-from . import registry
+from . import families
 from ._base import FusedLinear
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def prepare_fused(tensor) -> FusedLinear | None:  # noqa: ANN001 - a cmf QTensor
     shape = tuple(int(d) for d in tensor.shape)
     if len(shape) != 2:
         return None
-    cls = registry.family_for(Dtype(int(tensor.dtype)), shape)
+    cls = families.family_for(Dtype(int(tensor.dtype)), shape)
     if cls is None:
         return None
     from .. import quant

@@ -1,16 +1,16 @@
 """The fused LinearOp families by dtype: one table, filled by the families themselves.
 
-Each family module declares its class with :func:`family` — the dtypes it runs and nothing else;
-:func:`family_for` looks a stored dtype up (after importing ``FAMILY_MODULES`` once). Adding a
-dtype at full speed therefore touches its codec (``quant``), its kernel module (a
+Each family module declares its class with :func:`family` — the dtypes it runs and nothing else.
+This module imports no family (they import it): :mod:`.families` imports every family module and
+is where lookups go (:func:`~cmf.kernels.families.family_for`). Adding a dtype at full speed
+therefore touches its codec (``quant``), its kernel module (a
 :class:`~cmf.kernels._base.FusedLinear` subclass decorated here) and, for a new module, the
-``FAMILY_MODULES`` line below. Grouped and batched products ask the op itself
+import line of :mod:`.families`. Grouped and batched products ask the op itself
 (``FusedLinear.group_family``) which compiled group kernel can take it.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Callable
 
 from ..format.constants import Dtype
@@ -18,11 +18,7 @@ from ..format.constants import Dtype
 if TYPE_CHECKING:
     from ._base import FusedLinear
 
-# The modules whose classes register (imported on the first lookup: they compile numba kernels).
-FAMILY_MODULES = ("floats", "q8", "tiled", "vbit", "q1")
-
 _TABLE: dict[Dtype, type] = {}
-_loaded = False
 
 
 def family(*dtypes: Dtype) -> Callable[[type], type]:
@@ -38,18 +34,9 @@ def family(*dtypes: Dtype) -> Callable[[type], type]:
     return register
 
 
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        for m in FAMILY_MODULES:
-            importlib.import_module(f"{__package__}.{m}")
-        _loaded = True
-
-
 def family_for(dtype: Dtype, shape: tuple[int, ...]) -> "type[FusedLinear] | None":
-    """The family class for a stored matrix, or None (no kernel for the dtype, or the family
-    declines the shape: ``FusedLinear.accepts``)."""
-    _load()
+    """The family class for a stored matrix among those registered so far, or None (no kernel
+    for the dtype, or the family declines the shape: ``FusedLinear.accepts``)."""
     cls = _TABLE.get(Dtype(dtype))
     if cls is None or not cls.accepts(Dtype(dtype), shape):
         return None
@@ -57,9 +44,8 @@ def family_for(dtype: Dtype, shape: tuple[int, ...]) -> "type[FusedLinear] | Non
 
 
 def registered() -> dict[Dtype, type]:
-    """A copy of the table (every family loaded)."""
-    _load()
+    """A copy of the table as registered so far (:mod:`.families`: all of them)."""
     return dict(_TABLE)
 
 
-__all__ = ["FAMILY_MODULES", "family", "family_for", "registered"]
+__all__ = ["family", "family_for", "registered"]
