@@ -254,12 +254,12 @@ def _q1t_file(path, seed: int, keep: float):  # noqa: ANN001, ANN202
 
 
 def test_q1t_products_run_on_crumb_tiles_with_the_overlay_added(tmp_path) -> None:
-    from cmf.kernels import q4
+    from cmf.kernels import q4_stored
 
     with _q1t_file(tmp_path / "q1t.cmf", 8, 0.01) as f:
         t = f.tensor("q1t")
         op = prepare(t)
-        assert op.tiled is not None and op.tiled.kind == q4.KIND_Q1T and op.has_overlay
+        assert op.tiled is not None and op.tiled.kind == q4_stored.KIND_Q1T and op.has_overlay
         dense = ReferenceLinear(t).dense().astype(np.float64)
         x = _inputs()[1][:, :256]
         exact = x.astype(np.float64) @ dense.T

@@ -17,8 +17,9 @@ from ._base import FusedLinear, TILE_BYTES
 from ._jit import PARALLEL_ORDERED, SERIAL_ORDERED, huge_zeros, scratch, threads
 from ._jit import chunk as _chunk
 from .blas import NO_TRANS, TRANS, sgemm
-from .q4 import (BLOCK_PIECES, CODE_BYTES, EXACT_PIECES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, WIDTH,
-                 ZERO, R, block_par, decode_rows, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par, tiles_par, tiles_run)
+from .q4 import (BLOCK_PIECES, EXACT_PIECES, block_par, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par,
+                 tiles_par, tiles_run)
+from .q4_stored import CODE_BYTES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, R, WIDTH, ZERO, decode_rows
 from .registry import family
 from .xprep import fill_x
 
