@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -24,11 +22,8 @@ import numpy as np
 from .constants import (
     DATA_ALIGN,
     ENVELOPE_SIZE,
-    LARGE_TENSOR_ALIGN,
-    LARGE_TENSOR_BYTES,
     MAX_NDIM,
     QUANT_2F_DTYPES,
-    TENSOR_ALIGN,
     Dtype,
     Feature,
     DTYPE_BY_LABEL,
@@ -37,24 +32,21 @@ from ._atomic import apply_output_mode, check_writable, io_error
 from .directory import encode_directory
 from .dtypes import validate_payload
 from .envelope import Envelope, Section
-from .errors import BoundsError, CmfError, IoError, ParseError, WriterError
+from .errors import BoundsError, CmfError, ParseError, WriterError
 from .hash64 import hash64, hash64_hex
 from .header import parse_header, serialize_header
 from .masks import MaskSet, encode_masks
+from .parts import shard_name
 from .sparse_index import build_sparse_index
+from .spool import Entry, Spool, align_up, copy_range, fsync_dir, tensor_alignment, write_file_atomic, write_temp
+
+__all__ = ["CmfError", "CmfWriter", "Entry", "Payload", "align_up", "apply_output_mode", "as_dtype", "build_head",
+           "check_entry", "copy_range", "feature_bits", "finalize_header", "fsync_dir", "payload_view",
+           "tensor_alignment", "write_file", "write_file_atomic", "write_temp"]
 
 log = logging.getLogger(__name__)
 
 Payload = bytes | bytearray | memoryview | np.ndarray
-
-
-def align_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def tensor_alignment(nbytes: int) -> int:
-    """Alignment of a payload relative to data_off: 4096 for ≥ 16 KiB, else 64."""
-    return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES else TENSOR_ALIGN
 
 
 # The converter's --quant spellings (FORMATS.md) accepted next to the spec labels.
@@ -83,18 +75,6 @@ def payload_view(payload: Payload) -> memoryview:
         return memoryview(payload.reshape(-1).view(np.uint8))
     mv = memoryview(payload)
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A directory record to be written."""
-
-    name: str
-    dtype: Dtype
-    shape: tuple[int, ...]
-    off: int  # relative to data_off
-    nbytes: int
-    hash: int
 
 
 def check_entry(name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview) -> None:
@@ -174,102 +154,6 @@ def build_head(header: Mapping[str, Any], entries: list[Entry], data_len: int,
     return env.pack() + header_bytes + directory, data_off, final
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so a rename inside it is durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def copy_range(src_fd: int, dst_fd: int, length: int, start: int = 0) -> None:
-    """Copy ``length`` bytes from src offset ``start`` to the current end of dst (kernel-side if possible)."""
-    done = 0
-    while done < length:
-        n = 0
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, length - done, start + done)
-        except (AttributeError, OSError):
-            chunk = os.pread(src_fd, min(length - done, 1 << 24), start + done)
-            n = os.write(dst_fd, chunk)
-        if n <= 0:
-            raise IoError(f"short copy at byte {done} of {length}")
-        done += n
-
-
-class _Spool:
-    """A temporary data blob: payloads appended at their aligned relative offsets."""
-
-    def __init__(self, folder: Path, stem: str, base: int = 0) -> None:
-        fd, name = tempfile.mkstemp(prefix=f".{stem}.", suffix=".spool" if not base else ".tmp", dir=folder)
-        self.fd, self.path = fd, Path(name)
-        self.base = base  # direct mode: payloads already sit at their final offset (base = data_off)
-        self.size = 0
-        self.entries: list[Entry] = []
-        self.estimate = 0
-
-    def add(self, name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview, h: int) -> Entry:
-        off = align_up(self.size, tensor_alignment(len(view)))
-        if off > self.size:
-            os.pwrite(self.fd, bytes(off - self.size), self.base + self.size)
-        written = 0
-        while written < len(view):
-            written += os.pwrite(self.fd, view[written:], self.base + off + written)
-        self.size = off + len(view)
-        entry = Entry(name, dtype, shape, off, len(view), h)
-        self.entries.append(entry)
-        return entry
-
-    def discard(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self.path.unlink(missing_ok=True)
-
-
-def write_temp(target: Path, head: bytes, data_off: int, spool: _Spool | None, tail: Iterable[bytes]) -> Path:
-    """Write head, zero pad to data_off, the spool's data, then ``tail`` into a synced temp file
-    beside ``target``; returns its path (removed again on any error)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp_path = Path(tmp)
-    try:
-        os.write(fd, head + bytes(data_off - len(head)))
-        if spool is not None and spool.size:
-            copy_range(spool.fd, fd, spool.size, spool.base)
-        for blob in tail:
-            mv = memoryview(blob)
-            while len(mv):
-                mv = mv[os.write(fd, mv):]
-        apply_output_mode(fd, target)  # mkstemp made it 0600
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        tmp_path.unlink(missing_ok=True)
-        raise
-    return tmp_path
-
-
-def write_file_atomic(target: Path, head: bytes, data_off: int, spool: _Spool | None,
-                      tail: Iterable[bytes]) -> None:
-    """Write head, zero pad to data_off, the spool's data, then ``tail`` under a temp name; rename."""
-    tmp_path = write_temp(target, head, data_off, spool, tail)
-    try:
-        os.replace(tmp_path, target)
-        fsync_dir(target.parent)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
-
-
 class CmfWriter:
     """Streaming writer. ``add()`` tensors, optionally set masks/vocab, then ``finish()``.
 
@@ -294,7 +178,7 @@ class CmfWriter:
         self.max_shard_bytes = max_shard_bytes
         self.sparse_index = sparse_index
         self._names: set[str] = set()
-        self._spools: list[_Spool] = []
+        self._spools: list[Spool] = []
         self._masks: MaskSet | bytes | None = None
         self._index_raw: bytes | None = None
         self._vocab: bytes | None = None
@@ -353,13 +237,13 @@ class CmfWriter:
             payload = quant.encode(arr, dtype if isinstance(dtype, str) else dt, **options)
         return self.add(name, dt, arr.shape, payload)
 
-    def _spool_for(self, nbytes: int) -> _Spool:
+    def _spool_for(self, nbytes: int) -> Spool:
         if not self._spools:
-            self._spools.append(_Spool(self.path.parent, self.path.name, self._reserve))
+            self._spools.append(Spool(self.path.parent, self.path.name, self._reserve))
         cur = self._spools[-1]
         if (self.max_shard_bytes is not None and cur.entries
                 and align_up(cur.size, tensor_alignment(nbytes)) + nbytes > self.max_shard_bytes):
-            cur = _Spool(self.path.parent, self.path.name)
+            cur = Spool(self.path.parent, self.path.name)
             self._spools.append(cur)
         return cur
 
@@ -412,7 +296,7 @@ class CmfWriter:
         """Lay out and atomically write the file(s); returns the paths written."""
         self._require_open()
         try:
-            spools = self._spools or [_Spool(self.path.parent, self.path.name, self._reserve)]
+            spools = self._spools or [Spool(self.path.parent, self.path.name, self._reserve)]
             self._spools = spools
             sections = self._sections()
             count = len(spools)
@@ -444,7 +328,7 @@ class CmfWriter:
         self._state = "finished"
         return self.outputs
 
-    def _finish_in_place(self, sp: _Spool, head: bytes, tail: list[bytes]) -> None:
+    def _finish_in_place(self, sp: Spool, head: bytes, tail: list[bytes]) -> None:
         """Direct mode: the data already sits at data_off in the temp file; add head and tail, rename."""
         os.pwrite(sp.fd, head, 0)  # the gap up to data_off is a hole: it reads as zeros
         end = sp.base + sp.size
@@ -460,8 +344,7 @@ class CmfWriter:
         os.replace(sp.path, self.path)
         fsync_dir(self.path.parent)
 
-    def _finish_sharded(self, spools: list[_Spool], sections: dict[str, bytes]) -> list[Path]:
-        from .reader import shard_name
+    def _finish_sharded(self, spools: list[Spool], sections: dict[str, bytes]) -> list[Path]:
 
         stem = self.path.name[:-4] if self.path.name.endswith(".cmf") else self.path.name
         count = len(spools)
@@ -536,5 +419,3 @@ def write_file(path: str | os.PathLike, header: Mapping[str, Any],
             w.set_vocab(vocab)
     return w.outputs
 
-
-__all__ = ["CmfWriter", "Entry", "write_file", "align_up", "tensor_alignment", "CmfError"]
