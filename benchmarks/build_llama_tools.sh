@@ -3,6 +3,9 @@
 # vendored in llama-cpp-python's sdist (the Python binding ships the library, not these tools).
 # Used by benchmarks/quality_real.py --llama-bin. About 15 minutes on 2 cores.
 #   bash benchmarks/build_llama_tools.sh [WORK_DIR]   -> prints the bin folder
+# LLAMA_CPU=avx2 builds llama-bench and llama-quantize without AVX-512 (GGML_NATIVE off, AVX2 +
+# FMA + F16C only) into build-avx2/: the peer of pycmf compiled for haswell (issue 27,
+# benchmarks/avx2_peer.py). About 8 minutes on 2 cores.
 # The same folder holds libllama.so: llama-cpp-python can load it instead of compiling its own copy
 # (another ~10 minutes): `CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install WORK_DIR/llama_cpp_python-$VERSION.tar.gz`,
 # then run with `LLAMA_CPP_LIB_PATH=<bin folder>` (how the 2026-12-04 quality run was made).
@@ -16,7 +19,16 @@ if [ ! -f "llama_cpp_python-$VERSION.tar.gz" ]; then
 fi
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar xzf "llama_cpp_python-$VERSION.tar.gz"
-cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF)
+if [ "${LLAMA_CPU:-native}" = "avx2" ]; then
+  cmake -S "$SRC" -B "$SRC/build-avx2" "${COMMON[@]}" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+    -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
+    -DGGML_AVX_VNNI=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF >&2
+  cmake --build "$SRC/build-avx2" --target llama-bench llama-quantize -j"$(nproc)" >&2
+  echo "$SRC/build-avx2/bin"
+  exit 0
+fi
+cmake -S "$SRC" -B "$SRC/build" "${COMMON[@]}" -DGGML_NATIVE=ON >&2
 cmake --build "$SRC/build" --target llama-imatrix llama-quantize llama-perplexity -j"$(nproc)" >&2
 echo "$SRC/build/bin"

@@ -10,8 +10,9 @@ import pytest
 
 import cmf
 from cmf import calib
-from cmf.calib.sensitivity import mean_kl, measure, relative_loss, sample
-from cmf.convert.budget import Candidate, allocate, candidates, sensitivity_lookup
+from cmf.calib.sensitivity import TABLE_RUNGS, mean_kl, measure, measure_table, relative_loss, sample, table_names
+from cmf.convert.budget import (TABLE_LADDER, Candidate, allocate, candidates, plan_budget, sensitivity_lookup,
+                                table_candidates, table_item)
 from cmf.convert.calibrate import sensitivity_tokens_for
 
 from _shared_models import BASE, SHARED, base_f32  # noqa: F401 - the fixture
@@ -107,6 +108,72 @@ def test_collect_measures_every_matrix_when_asked(base_f32):
     assert sensitivity_lookup(cal)("not.a.matrix") == pytest.approx(float(np.median(list(cal.sensitivity.values()))))
     plain = calib.collect(base_f32, CALIB_TEXT, window=128, max_tokens=1024)
     assert plain.sensitivity == {} and sensitivity_lookup(plain)(next(iter(plain.stats))) is None
+
+
+@needs_text
+def test_measure_table_gives_each_rungs_kl_and_leaves_the_model_as_it_was(base_f32):
+    from cmf import quant
+    from cmf.runtime.weights import DenseLinear
+
+    with cmf.load(base_f32) as m:
+        ids = list(range(3, 60))
+        before = m.logits(ids)
+        wins = calib.token_windows(m.tokenizer, CALIB_TEXT, 64, 2048)
+        got = measure_table(m, wins, tokens=64)
+        names = table_names(m)
+        assert set(got) == set(names) and all(set(v) == {r[0] for r in TABLE_RUNGS} for v in got.values())
+        assert all(np.isfinite(x) and x > 0 for v in got.values() for x in v.values()), got
+        np.testing.assert_array_equal(m.logits(ids), before)
+        # vbit at 8 bits (a scale per 32) is closer to the table than one scale per row
+        assert all(v["vbit8"] < v["q8_row"] for v in got.values()), got
+        # each KL is that of a whole forward with the table (and the head it is) round-tripped
+        name = names[0]
+        dense = m.weights.linear(name).dense()
+        probed = quant.decode(quant.encode(dense, "q8_row"), "q8_row", dense.shape)
+        ref_ids = sample(wins, 64)
+        base = [m.logits(x) for x in ref_ids]
+        with m.weights.substituted(name, DenseLinear(probed)):
+            m._prepare()
+            swapped = [m.logits(x) for x in ref_ids]
+        m._prepare()
+        np.testing.assert_array_equal(m.logits(ids), before)
+        base_lp = [b - np.log(np.exp(b.astype(np.float64) - b.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                   - b.max(-1, keepdims=True) for b in base]
+        if len(names) == 1:
+            assert got[name]["q8_row"] == pytest.approx(mean_kl(base_lp, swapped), rel=1e-6)
+
+
+def test_the_token_table_is_a_budget_item_only_with_its_measured_kl():
+    class Cal:
+        table_loss = {"model.embed_tokens.weight": {"q8_row": 0.01, "vbit8": 0.001}}
+        sensitivity: dict = {}
+
+        def get(self, name):
+            return None
+
+    rng = np.random.default_rng(4)
+    table = (rng.standard_normal((96, 64)) * 0.02).astype(np.float32)
+    table[:, 5] = 0.4  # an outlier column: one scale per row is coarse for every other column
+    name = "model.embed_tokens.weight"
+    assert table_item(name, table.shape, "q8_row", Cal())
+    assert not table_item(name, table.shape, "q8_row", None)  # nothing measured: stays as the policy says
+    assert not table_item(name, table.shape, "f16", Cal())
+    assert not table_item("model.layers.0.mlp.down_proj.weight", table.shape, "q8_row", Cal())
+    cands = table_candidates(table, Cal.table_loss[name])
+    assert [c.name for c in cands] == [r.label for r in TABLE_LADDER] == ["q8_row", "vbit8"]
+    # equal row amplitudes: every vbit row at 8 bits, an f16 scale per 32 (0.5 bits more than q8_row)
+    assert cands[0].nbytes == 96 * 64 + 2 * 96 and cands[1].nbytes == 96 + 2 * 96 * 2 + 96 * 64
+    assert [c.loss for c in cands] == [0.01, 0.001]
+    items = [(name, lambda: table, {})]
+    assert plan_budget(items, 0, cands[0].nbytes, Cal()).choice == {name: "q8_row"}
+    assert plan_budget(items, 0, cands[1].nbytes, Cal()).choice == {name: "vbit8"}
+    # a vbit encoding smaller than q8_row (rows far below the mean amplitude take 6 bits) and
+    # better is the table's only rung; a smaller but worse one comes first
+    table[::2] *= 0.05
+    small = table_candidates(table, Cal.table_loss[name])
+    assert [c.name for c in small] == ["vbit8"] and small[0].nbytes < cands[0].nbytes
+    worse = table_candidates(table, {"q8_row": 0.001, "vbit8": 0.01})
+    assert [c.name for c in worse] == ["vbit8", "q8_row"]
 
 
 def test_the_budget_spends_bytes_on_the_sensitive_matrix():

@@ -63,6 +63,8 @@ class Calibration:
     # {matrix: KL per unit relative output error} when measured (sensitivity.measure); the
     # target-size budget weighs each matrix's candidates by it
     sensitivity: dict[str, float] = field(default_factory=dict)
+    # {token table: {rung label: KL}} when measured with the sensitivities (sensitivity.measure_table)
+    table_loss: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def get(self, name: str) -> InputStats | None:
         """The statistics of matrix ``name`` (None: the calibration never ran it)."""
@@ -172,8 +174,9 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
         finally:
             del w.linear
         sens: dict[str, float] = {}
+        table: dict[str, dict[str, float]] = {}
         if sensitivity_tokens > 0:
-            from .sensitivity import measure
+            from .sensitivity import measure, measure_table
 
             def hessian(name: str):  # noqa: ANN202 - as the budget's candidates see it
                 st = collector.stats.get(name)
@@ -183,10 +186,11 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
             probed = (None if progress is None else
                       lambda n, _p=progress, _t=len(names): _p("sensitivity", n, _t))
             sens = measure(m, wins, names, hessian, tokens=sensitivity_tokens, progress=probed)
+            table = measure_table(m, wins, tokens=sensitivity_tokens)
     if collector.diagonal_only:
         log.warning("calibration: %d matrices past the %.1f GB Hessian budget get importance only (no error "
                     "feedback)", len(collector.diagonal_only), max_hessian_bytes / 1e9)
     log.info("calibration: %d tokens in %d windows, %d matrices, %.0f MB of Hessians", tokens, len(wins),
              len(collector.stats), collector.hessian_bytes / 1e6)
     return Calibration(collector.stats, Path(text).name, digest.hexdigest(), tokens, len(wins), window,
-                       collector.diagonal_only, sens)
+                       collector.diagonal_only, sens, table)

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 PROBE_DTYPE = "q4tp"
 DEFAULT_SAMPLE_TOKENS = 128
+# The token table's rungs (label, dtype, encoder options): it stays at 8 bits (a lookup table is
+# wrong at 4), as q8_row (one scale per row) or vbit with every row at 8 bits (an f16 scale per
+# 32: 0.47 bits more). On SmolLM2-135M, every other tensor f32: q8_row PPL 18.444, vbit 8 18.400,
+# f32 18.398 (its rows carry outliers; docs/QUANT.md). convert.budget offers both by their KL.
+TABLE_RUNGS = (("q8_row", "q8_row", ()), ("vbit8", "vbit", (("mean_bits", 8.0),)))
 _FLOOR = 1e-12  # relative errors below this (an all-zero matrix) have no measurable sensitivity
 
 
@@ -117,4 +122,44 @@ def measure(model, windows: Sequence[Sequence[int]], names: Sequence[str], hessi
             del w.linear
         model._prepare()
     log.info("sensitivity: %d matrices probed with %s on %d tokens", len(out), probe, sum(map(len, ids)))
+    return out
+
+
+def table_names(model) -> list[str]:  # noqa: ANN001 - a runtime Model
+    """The token table and, when it is a matrix of its own, the output head."""
+    plan = model.plan
+    return [n for n in dict.fromkeys((plan.embed, plan.lm_head)) if n]
+
+
+def measure_table(model, windows: Sequence[Sequence[int]], *, tokens: int = DEFAULT_SAMPLE_TOKENS,
+                  progress: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:  # noqa: ANN001
+    """{table name: {rung label: KL}} for each of :data:`TABLE_RUNGS`: the mean KL divergence of
+    the next-token distributions over a sample of the text when that table alone is stored as
+    the rung (looked up and, tied, the head: the whole model reruns). Unlike a matrix's
+    sensitivity this is the rung's own KL, not a ratio: the budget takes it as the loss as it
+    is. ``progress(1)`` per table."""
+    from .. import quant
+    from ..runtime.weights import DenseLinear
+
+    ids = sample(windows, tokens)
+    w = model.weights
+    base = [_log_softmax(model.logits(x)) for x in ids]
+    out: dict[str, dict[str, float]] = {}
+    for name in table_names(model):
+        dense = w.linear(name).dense()
+        if dense.ndim != 2 or dense.shape[1] % 32:
+            continue
+        losses: dict[str, float] = {}
+        try:
+            for label, dtype, options in TABLE_RUNGS:
+                probed = quant.decode(quant.encode(dense, dtype, **dict(options)), dtype, dense.shape)
+                with w.substituted(name, DenseLinear(probed)):
+                    model._prepare()  # the head is the table when tied
+                    losses[label] = mean_kl(base, [model.logits(x) for x in ids])
+        finally:
+            model._prepare()
+        out[name] = losses
+        log.info("token table %s: KL %s", name, {k: f"{v:.3g}" for k, v in losses.items()})
+        if progress is not None:
+            progress(1)
     return out

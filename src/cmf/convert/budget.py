@@ -7,7 +7,8 @@ candidate is encoded once to measure its predicted loss: the relative output err
 ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` under the matrix's calibration Hessian H (or H = I, the relative
 weight error, without ``--calib``). Starting from the cheapest candidate everywhere, the upgrade
 with the most loss removed per byte is taken while the file still fits (greedy knapsack); what
-the policy fixes (token table, norms, precision-critical tensors) is counted first. The choices
+the policy fixes (norms, precision-critical tensors; the token table unless the calibration
+measured its two 8-bit rungs, then an item of its own scored by their KL) is counted first. The choices
 are ordinary dtypes: every reader decodes the file.
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..calib.sensitivity import relative_loss
+from ..calib.sensitivity import TABLE_RUNGS, relative_loss
 from .errors import ConvertError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class Rung:
 # q8_row 2.0e-3 (docs/QUANT.md, "Target size").
 LADDER = (Rung("q2tp", "q2tp"), Rung("q4tp", "q4tp"), Rung("vbit5", "vbit", (("mean_bits", 5.0),)),
           Rung("vbit6", "vbit", (("mean_bits", 6.0),)), Rung("q8_row", "q8_row"))
+# The token table's own two rungs (q8_row, vbit at 8 bits): a budget may move it between them when
+# the calibration measured each one's KL (calib.sensitivity.measure_table), which is its loss.
+TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TABLE_RUNGS)
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -87,6 +91,32 @@ def movable(name: str, shape: tuple[int, ...], dtype: str) -> bool:
 
     return (len(shape) == 2 and dtype in MOVABLE and shape[1] % 32 == 0 and not TOKEN_TABLE.search(name)
             and not name.endswith(".tid2eid"))
+
+
+def table_item(name: str, shape: tuple[int, ...], dtype: str, calibration) -> bool:  # noqa: ANN001
+    """Whether a budget may move the token table / output head ``name`` between the
+    :data:`TABLE_LADDER` rungs: the policy stores it q8_row, its rows are whole 32-groups, and the
+    calibration measured its rungs' KL."""
+    from .policy import TOKEN_TABLE
+
+    losses = getattr(calibration, "table_loss", None) or {}
+    return (len(shape) == 2 and dtype == "q8_row" and shape[1] % 32 == 0 and TOKEN_TABLE.search(name) is not None
+            and all(r.label in losses.get(name, {}) for r in TABLE_LADDER))
+
+
+def table_candidates(w: np.ndarray, losses: dict[str, float]) -> list[Candidate]:
+    """The token table's rungs, each with its payload size and its measured KL as the loss."""
+    from .. import quant
+
+    cands = sorted((Candidate(r.dtype, len(quant.encode(w, r.dtype, **dict(r.options))), float(losses[r.label]),
+                              dict(r.options), r.label) for r in TABLE_LADDER), key=lambda c: c.nbytes)
+    # vbit's widths follow the rows' amplitudes: it can come out smaller than q8_row; a rung no
+    # smaller and no better than the one before it is dropped (the knapsack climbs in size)
+    out = [cands[0]]
+    for c in cands[1:]:
+        if c.loss < out[-1].loss and c.nbytes > out[-1].nbytes:
+            out.append(c)
+    return out
 
 
 def worst_padding(payload_bytes) -> int:  # noqa: ANN001 - an iterable of payload sizes
@@ -197,13 +227,17 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
     one model and calibration measure each candidate once)."""
     cands: dict[str, list[Candidate]] = {}
     sensitivity_of = sensitivity_lookup(calibration)
+    tables = getattr(calibration, "table_loss", None) or {}
     for name, load, opts in items:
         if cache is not None and name in cache:
             cands[name] = cache[name]
             continue
         w = load()
-        stats = calibration.get(name) if calibration is not None else None
-        cands[name] = candidates(w, stats, opts, sensitivity_of(name))
+        if name in tables:  # the token table: its own rungs, scored by their measured KL
+            cands[name] = table_candidates(w, tables[name])
+        else:
+            stats = calibration.get(name) if calibration is not None else None
+            cands[name] = candidates(w, stats, opts, sensitivity_of(name))
         if cache is not None:
             cache[name] = cands[name]
         if progress is not None:
@@ -229,7 +263,8 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     for t in f.tensors():
         shape = tuple(t.shape)
         choice = policy.choose(t.name, shape) if len(shape) == 2 else None
-        if choice is not None and selected(t.name) and movable(t.name, shape, choice.dtype):
+        if choice is not None and selected(t.name) and (movable(t.name, shape, choice.dtype)
+                                                        or table_item(t.name, shape, choice.dtype, calibration)):
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
             continue
         if choice is None or not selected(t.name) or choice.dtype == t.dtype.label or choice.reason in (
@@ -274,7 +309,8 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
         raise ConvertError("--target-mb/--bpw bound one file; they cannot be combined with --shard-max-gb")
     total = sum(int(np.prod(i.shape, dtype=np.int64)) for i in plan.items)
     moved = [i for i in plan.items
-             if i.choice.reason in ("quant", "attn-quant") and movable(i.name, tuple(i.shape), i.choice.dtype)]
+             if i.choice.reason in ("quant", "attn-quant") and movable(i.name, tuple(i.shape), i.choice.dtype)
+             or table_item(i.name, tuple(i.shape), i.choice.dtype, plan.calibration)]
     names = {i.name for i in moved}
     budget = target_bytes(target_mb, bpw, total) - _plan_overhead(plan, names)
     fixed = sum(i.out_bytes for i in plan.items if i.name not in names)

@@ -12,8 +12,9 @@ that at least one blended skill replaces becomes the working tensor Σ wᵢ·T�
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -49,6 +50,10 @@ class DenseLinear:
 
     def rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float32) @ self.w[np.asarray(rows)].T
+
+    def dequant_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows of the matrix (embedding lookups through a dense table)."""
+        return self.w[np.asarray(rows)]
 
     def dense(self) -> np.ndarray:
         return self.w
@@ -172,6 +177,21 @@ class Weights:
             v = np.ascontiguousarray(self.dense(name), dtype=np.float32)
             self._vectors[name] = v
         return v
+
+    @contextlib.contextmanager
+    def substituted(self, name: str, op) -> Iterator[None]:  # noqa: ANN001 - a LinearOp
+        """Inside the block ``op`` is matrix ``name``'s LinearOp, lookups included (a measurement
+        swapping one table for its quantized round trip); the stored one again after. Ops built
+        meanwhile (a model's head) keep ``op``: rebuild them after the block."""
+        kept = self._linears.get(name)
+        self._linears[name] = op
+        try:
+            yield
+        finally:
+            if kept is None:
+                self._linears.pop(name, None)
+            else:
+                self._linears[name] = kept
 
     def linear(self, name: str):
         """The LinearOp of a stored matrix (y = x @ W.T), prepared once."""
