@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-imatrix / llama-quantize / llama-perplexity, built from the llama.cpp sources
+# llama.cpp's llama-imatrix / llama-quantize / llama-perplexity / llama-bench, built from the llama.cpp sources
 # vendored in llama-cpp-python's sdist (the Python binding ships the library, not these tools).
 # Used by benchmarks/quality_real.py --llama-bin. About 15 minutes on 2 cores.
 #   bash benchmarks/build_llama_tools.sh [WORK_DIR]   -> prints the bin folder
@@ -30,5 +30,5 @@ if [ "${LLAMA_CPU:-native}" = "avx2" ]; then
   exit 0
 fi
 cmake -S "$SRC" -B "$SRC/build" "${COMMON[@]}" -DGGML_NATIVE=ON >&2
-cmake --build "$SRC/build" --target llama-imatrix llama-quantize llama-perplexity -j"$(nproc)" >&2
+cmake --build "$SRC/build" --target llama-imatrix llama-quantize llama-perplexity llama-bench -j"$(nproc)" >&2
 echo "$SRC/build/bin"

@@ -44,6 +44,11 @@ LADDER = (Rung("q2tp", "q2tp"), Rung("q4tp", "q4tp"), Rung("vbit5", "vbit", (("m
 # The token table's own two rungs (q8_row, vbit at 8 bits): a budget may move it between them when
 # the calibration measured each one's KL (calib.sensitivity.measure_table), which is its loss.
 TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TABLE_RUNGS)
+# No matrix goes below the budget's uniform level (the highest rung all of them could take at once):
+# the predicted loss of a rung two steps down comes from in-sample output error and was too
+# optimistic on other text (SmolLM2 at 111-112 MB: 18.624 with the floor against 18.650 without,
+# 18.668 against 18.693; docs/QUANT.md "Target size").
+FLOOR = True
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -162,6 +167,28 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
     return out
 
 
+def ladder_floor(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> int:
+    """The index in :data:`LADDER` of the highest rung that every ladder matrix could take at once
+    within the budget (other items at their cheapest): the budget's uniform level."""
+    labels = [r.label for r in LADDER]
+    floor = 0
+    for k, label in enumerate(labels):
+        total = fixed_bytes
+        for cs in cands.values():
+            at = [c for c in cs if c.name == label]
+            total += at[0].nbytes if at else cs[0].nbytes
+        if total > budget:
+            break
+        floor = k
+    return floor
+
+
+def above_floor(cands: dict[str, list[Candidate]], floor: int) -> dict[str, list[Candidate]]:
+    """Each ladder matrix's candidates without the rungs below ``floor`` (other items as they are)."""
+    low = {r.label for r in LADDER[:floor]}
+    return {n: ([c for c in cs if c.name not in low] or cs) for n, cs in cands.items()}
+
+
 def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
     """Greedy: the cheapest candidate everywhere, then the best loss-per-byte upgrades that fit."""
     plan = BudgetPlan(budget, fixed_bytes)
@@ -242,6 +269,8 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
             cache[name] = cands[name]
         if progress is not None:
             progress(1)
+    if FLOOR:
+        cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
     plan = allocate(cands, fixed_bytes, budget)
     log.info("budget: %s", plan.summary())
     return plan
