@@ -45,9 +45,11 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
     return out
 
 
-def pycmf_cell(model: Path, threads: int, cpu: str, cache: Path) -> dict[str, float]:
+def pycmf_cell(model: Path, threads: int, cpu: str, cache: Path, int8: bool = False) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), NUMBA_CACHE_DIR=str(cache))
     env.pop("CMF_INT8_ACT", None)
+    if int8:  # activations quantized to int8 per product, as llama.cpp's quantized types do
+        env["CMF_INT8_ACT"] = "1"
     if cpu:
         env.update(cpu_env(cpu))
     r = subprocess.run([sys.executable, "-c", WORKER, "matrix", str(model), str(threads)], env=env,
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=None, help="where the quantized GGUFs go (default: beside the F32)")
+    ap.add_argument("--int8", action="store_true", help="also pycmf with int8 activations (CMF_INT8_ACT=1)")
     ap.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
     a = ap.parse_args()
     work = a.work or a.gguf_f32.parent
@@ -85,12 +88,13 @@ def main() -> None:
         for cpu, b in (("native", a.native_bin), ("haswell", a.avx2_bin)):
             cells.append((f"llama.cpp {g.stem.rsplit('-', 1)[-1]}", cpu, lambda g=g, b=b: llama_bench(b, g, a.threads)))
     for f in a.cmf:
-        for cpu in ("", "haswell"):
-            cells.append((f"pycmf {f.stem}", cpu or "native",
-                          lambda f=f, cpu=cpu: pycmf_cell(f, a.threads, cpu, caches[cpu])))
-    for f in a.cmf:  # warm each numba cache once, untimed
-        for cpu in ("", "haswell"):
-            pycmf_cell(f, a.threads, cpu, caches[cpu])
+        for int8 in ((False, True) if a.int8 else (False,)):
+            for cpu in ("", "haswell"):
+                cells.append((f"pycmf {f.stem}{' +i8' if int8 else ''}", cpu or "native",
+                              lambda f=f, cpu=cpu, int8=int8: pycmf_cell(f, a.threads, cpu, caches[cpu], int8)))
+    for name, _, run in cells:  # compile into each numba cache once, untimed
+        if name.startswith("pycmf"):
+            run()
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for rnd in range(a.rounds):
         order = cells if rnd % 2 == 0 else cells[::-1]

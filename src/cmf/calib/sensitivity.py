@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 PROBE_DTYPE = "q4tp"
 DEFAULT_SAMPLE_TOKENS = 128
 # The token table's rungs (label, dtype, encoder options): it stays at 8 bits (a lookup table is
-# wrong at 4), as q8_row (one scale per row) or vbit with every row at 8 bits (an f16 scale per
-# 32: 0.47 bits more). On SmolLM2-135M, every other tensor f32: q8_row PPL 18.444, vbit 8 18.400,
+# wrong at 4), as q8_row (one scale per row) or vbit at a mean of 8 bits (an f16 scale per 32,
+# ~0.47 bits more; rows far below the mean amplitude take 6). On SmolLM2-135M, every other tensor f32: q8_row PPL 18.444, vbit 8 18.400,
 # f32 18.398 (its rows carry outliers; docs/QUANT.md). convert.budget offers both by their KL.
 TABLE_RUNGS = (("q8_row", "q8_row", ()), ("vbit8", "vbit", (("mean_bits", 8.0),)))
 _FLOOR = 1e-12  # relative errors below this (an all-zero matrix) have no measurable sensitivity
