@@ -48,21 +48,21 @@ def test_allocate_takes_a_smaller_step_when_the_jump_does_not_fit():
 def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
     import cmf.convert.budget as budget
 
-    # a: q2tp predicted almost free; b: sensitive. 1300 bytes fit both at q4tp (800) but not at q8 (1600)
+    # a: q2tp predicted almost free; b: sensitive. 1250 bytes fit both at q4tp (900) but not at q8 (1700)
     cands = {"a": ladder(0.11, 0.1, 0.0), "b": ladder(2.0, 0.5, 0.0)}
-    assert ladder_floor(cands, 100, 1300) == 1  # q4tp for everyone fits, q8_row does not
+    assert ladder_floor(cands, 100, 1250) == 1  # q4tp for everyone fits, nothing above does
     assert ladder_floor(cands, 100, 700) == 0
-    assert ladder_floor(cands, 0, 10_000) == 2
-    # without the floor the knapsack drops a to q2tp and buys b's q8; with it a stays at q4tp
-    assert allocate(cands, 100, 1300).choice == {"a": "q2tp", "b": "q8_row"}
+    assert ladder_floor(cands, 0, 10_000) == len(LADDER) - 1  # q8_row for everyone
+    # without the floor the knapsack leaves a at q2tp and buys b's q8; with it a stays at q4tp
+    assert allocate(cands, 100, 1250).choice == {"a": "q2tp", "b": "q8_row"}
     floored = above_floor(cands, 1)
     assert [c.name for c in floored["a"]] == ["q4tp", "q8_row"] and cands["a"][0].name == "q2tp"  # not mutated
-    assert allocate(floored, 100, 1300).choice == {"a": "q4tp", "b": "q4tp"}
+    assert allocate(floored, 100, 1250).choice == {"a": "q4tp", "b": "q4tp"}
     items = [(n, (lambda: np.zeros((2, 32), np.float32)), {}) for n in cands]
     cache = {n: list(c) for n, c in cands.items()}
-    assert plan_budget(items, 100, 1300, cache=cache).choice == {"a": "q4tp", "b": "q4tp"}
+    assert plan_budget(items, 100, 1250, cache=cache).choice == {"a": "q4tp", "b": "q4tp"}
     monkeypatch.setattr(budget, "FLOOR", False)
-    assert plan_budget(items, 100, 1300, cache=cache).choice == {"a": "q2tp", "b": "q8_row"}
+    assert plan_budget(items, 100, 1250, cache=cache).choice == {"a": "q2tp", "b": "q8_row"}
     # an item off the ladder (the token table's rungs) is left as it is
     table = [Candidate("q8_row", 500, 0.01, label="q8_row"), Candidate("vbit", 530, 0.001, label="vbit8")]
     assert above_floor({"t": table}, 3)["t"] == table

@@ -53,12 +53,24 @@ def test_layer_inputs_and_logits_from_match_the_whole_forward(base_f32):
         np.testing.assert_allclose(m.logits(ids), full, rtol=1e-6, atol=1e-6)
 
 
+def _probe_setup(m) -> tuple[list[int], np.ndarray, list]:  # noqa: ANN001 - a Model
+    """Ids whose logits must come back unchanged, those logits, and the calibration windows."""
+    ids = list(range(3, 60))
+    return ids, m.logits(ids), calib.token_windows(m.tokenizer, CALIB_TEXT, 64, 2048)
+
+
+def _log_probs(logits: list[np.ndarray]) -> list[np.ndarray]:
+    out = []
+    for b in logits:
+        top = b.max(-1, keepdims=True)
+        out.append(b - np.log(np.exp(b.astype(np.float64) - top).sum(-1, keepdims=True)) - top)
+    return out
+
+
 @needs_text
 def test_measure_gives_finite_sensitivities_and_leaves_the_model_as_it_was(base_f32):
     with cmf.load(base_f32) as m:
-        ids = list(range(3, 60))
-        before = m.logits(ids)
-        wins = calib.token_windows(m.tokenizer, CALIB_TEXT, 64, 2048)
+        ids, before, wins = _probe_setup(m)
         names = [n for n in m.file.keys() if ".layers." in n and n.endswith("proj.weight")]
         picked = [n for n in names if ".layers.0." in n or ".layers.3." in n]
         s1 = measure(m, wins, picked, lambda n: None, tokens=64)
@@ -84,9 +96,7 @@ def test_measure_gives_finite_sensitivities_and_leaves_the_model_as_it_was(base_
         got = [m.logits(x) for x in ref_ids]
         del m.weights.linear
         m._prepare()
-        base_lp = [b - np.log(np.exp(b.astype(np.float64) - b.max(-1, keepdims=True)).sum(-1, keepdims=True))
-                   - b.max(-1, keepdims=True) for b in base]
-        kl = mean_kl(base_lp, got)
+        kl = mean_kl(_log_probs(base), got)
         assert s1[name] == pytest.approx(kl / relative_loss(dense, probed, None), rel=1e-3)
 
 
@@ -116,9 +126,7 @@ def test_measure_table_gives_each_rungs_kl_and_leaves_the_model_as_it_was(base_f
     from cmf.runtime.weights import DenseLinear
 
     with cmf.load(base_f32) as m:
-        ids = list(range(3, 60))
-        before = m.logits(ids)
-        wins = calib.token_windows(m.tokenizer, CALIB_TEXT, 64, 2048)
+        ids, before, wins = _probe_setup(m)
         got = measure_table(m, wins, tokens=64)
         names = table_names(m)
         assert set(got) == set(names) and all(set(v) == {r[0] for r in TABLE_RUNGS} for v in got.values())
@@ -137,10 +145,8 @@ def test_measure_table_gives_each_rungs_kl_and_leaves_the_model_as_it_was(base_f
             swapped = [m.logits(x) for x in ref_ids]
         m._prepare()
         np.testing.assert_array_equal(m.logits(ids), before)
-        base_lp = [b - np.log(np.exp(b.astype(np.float64) - b.max(-1, keepdims=True)).sum(-1, keepdims=True))
-                   - b.max(-1, keepdims=True) for b in base]
         if len(names) == 1:
-            assert got[name]["q8_row"] == pytest.approx(mean_kl(base_lp, swapped), rel=1e-6)
+            assert got[name]["q8_row"] == pytest.approx(mean_kl(_log_probs(base), swapped), rel=1e-6)
 
 
 def test_the_token_table_is_a_budget_item_only_with_its_measured_kl():

@@ -169,14 +169,20 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
 
 def ladder_floor(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> int:
     """The index in :data:`LADDER` of the highest rung that every ladder matrix could take at once
-    within the budget (other items at their cheapest): the budget's uniform level."""
-    labels = [r.label for r in LADDER]
+    within the budget — each at its cheapest candidate on that rung or above; items off the ladder
+    (the token table) at their cheapest: the budget's uniform level."""
+    index = {r.label: k for k, r in enumerate(LADDER)}
     floor = 0
-    for k, label in enumerate(labels):
+    for k in range(len(LADDER)):
         total = fixed_bytes
         for cs in cands.values():
-            at = [c for c in cs if c.name == label]
-            total += at[0].nbytes if at else cs[0].nbytes
+            if not all(c.name in index for c in cs):
+                total += cs[0].nbytes
+                continue
+            up = [c.nbytes for c in cs if index[c.name] >= k]
+            if not up:
+                return floor
+            total += min(up)
         if total > budget:
             break
         floor = k
@@ -185,8 +191,14 @@ def ladder_floor(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: in
 
 def above_floor(cands: dict[str, list[Candidate]], floor: int) -> dict[str, list[Candidate]]:
     """Each ladder matrix's candidates without the rungs below ``floor`` (other items as they are)."""
-    low = {r.label for r in LADDER[:floor]}
-    return {n: ([c for c in cs if c.name not in low] or cs) for n, cs in cands.items()}
+    index = {r.label: k for k, r in enumerate(LADDER)}
+
+    def keep(cs: list[Candidate]) -> list[Candidate]:
+        if not all(c.name in index for c in cs):
+            return cs
+        return [c for c in cs if index[c.name] >= floor] or cs
+
+    return {n: keep(cs) for n, cs in cands.items()}
 
 
 def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
