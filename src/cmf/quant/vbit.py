@@ -199,7 +199,7 @@ class VbitCodec(Codec):
         gpr = cols // GROUP
         widths = row_widths(w, mean_bits, bias) if rows else np.zeros(0, np.uint8)
         scales = np.empty((rows, gpr), np.float32)
-        u = np.empty((rows, cols), np.int64)
+        u = np.empty((rows, cols), np.uint8)  # codes < 256: one byte each, as the input's quarter
         for sl in row_chunks(rows, cols):
             blk = w[sl].reshape(-1, gpr, GROUP)
             b = widths[sl].astype(np.int64)
