@@ -46,8 +46,8 @@ LADDER = (Rung("q2tp", "q2tp"), Rung("q4tp", "q4tp"), Rung("vbit5", "vbit", (("m
 TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TABLE_RUNGS)
 # No matrix goes below the budget's uniform level (the highest rung all of them could take at once):
 # the predicted loss of a rung two steps down comes from in-sample output error and was too
-# optimistic on other text (SmolLM2 at 111-112 MB: 18.624 with the floor against 18.650 without,
-# 18.668 against 18.693; docs/QUANT.md "Target size").
+# optimistic on other text (SmolLM2 with --calib: 112.1 MB 18.668 with the floor against 18.693
+# without, 105.5 MB 18.825 against 18.960; docs/QUANT.md "Target size").
 FLOOR = True
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
@@ -167,19 +167,26 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
     return out
 
 
+def _ladder_rungs(cs: list[Candidate]) -> list[int] | None:
+    """Each candidate's index in :data:`LADDER`, or None for an item off the ladder (the token table)."""
+    index = {r.label: k for k, r in enumerate(LADDER)}
+    ks = [index.get(c.name) for c in cs]
+    return None if None in ks else ks
+
+
 def ladder_floor(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> int:
     """The index in :data:`LADDER` of the highest rung that every ladder matrix could take at once
     within the budget — each at its cheapest candidate on that rung or above; items off the ladder
     (the token table) at their cheapest: the budget's uniform level."""
-    index = {r.label: k for k, r in enumerate(LADDER)}
+    rungs = {n: _ladder_rungs(cs) for n, cs in cands.items()}
     floor = 0
     for k in range(len(LADDER)):
         total = fixed_bytes
-        for cs in cands.values():
-            if not all(c.name in index for c in cs):
+        for n, cs in cands.items():
+            if rungs[n] is None:
                 total += cs[0].nbytes
                 continue
-            up = [c.nbytes for c in cs if index[c.name] >= k]
+            up = [c.nbytes for c, r in zip(cs, rungs[n]) if r >= k]
             if not up:
                 return floor
             total += min(up)
@@ -191,14 +198,11 @@ def ladder_floor(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: in
 
 def above_floor(cands: dict[str, list[Candidate]], floor: int) -> dict[str, list[Candidate]]:
     """Each ladder matrix's candidates without the rungs below ``floor`` (other items as they are)."""
-    index = {r.label: k for k, r in enumerate(LADDER)}
-
-    def keep(cs: list[Candidate]) -> list[Candidate]:
-        if not all(c.name in index for c in cs):
-            return cs
-        return [c for c in cs if index[c.name] >= floor] or cs
-
-    return {n: keep(cs) for n, cs in cands.items()}
+    out = {}
+    for n, cs in cands.items():
+        rungs = _ladder_rungs(cs)
+        out[n] = cs if rungs is None else ([c for c, r in zip(cs, rungs) if r >= floor] or cs)
+    return out
 
 
 def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
