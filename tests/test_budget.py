@@ -45,6 +45,23 @@ def test_allocate_takes_a_smaller_step_when_the_jump_does_not_fit():
     assert allocate(cands, 0, 500).choice == {"a": "q4tp"}
 
 
+def test_allocate_exchanges_small_upgrades_for_a_larger_better_one():
+    # the greedy takes b (ratio 0.1), then a's jump (ratio 0.05) no longer fits and c's weak step
+    # (0.02) takes the rest: loss 10. Stepping b and c back down pays for a: loss 5 + 1 = 6.
+    cands = {"a": [Candidate("q2tp", 100, 10.0), Candidate("q8_row", 300, 0.0)],
+             "b": [Candidate("q2tp", 100, 5.0), Candidate("q4tp", 150, 0.0)],
+             "c": [Candidate("q2tp", 100, 1.0), Candidate("q4tp", 150, 0.0)]}
+    p = allocate(cands, 0, 500)
+    assert p.choice == {"a": "q8_row", "b": "q2tp", "c": "q2tp"}
+    assert p.loss == pytest.approx(6.0) and p.bytes == 500
+    # with 50 bytes more, a's jump and one of the small steps fit: the one removing more (b)
+    p = allocate(cands, 0, 550)
+    assert p.choice == {"a": "q8_row", "b": "q4tp", "c": "q2tp"} and p.loss == pytest.approx(1.0)
+    # no exchange when the steps down would cost more than the jump removes
+    cands["a"][0] = Candidate("q2tp", 100, 5.5)
+    assert allocate(cands, 0, 500).choice == {"a": "q2tp", "b": "q4tp", "c": "q4tp"}
+
+
 def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
     import cmf.convert.budget as budget
 

@@ -206,13 +206,32 @@ def above_floor(cands: dict[str, list[Candidate]], floor: int) -> dict[str, list
 
 
 def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
-    """Greedy: the cheapest candidate everywhere, then the best loss-per-byte upgrades that fit."""
+    """Greedy: the cheapest candidate everywhere, then the best loss-per-byte upgrades that fit;
+    then exchanges (:func:`_exchange`) while one lowers the total loss, each followed by the
+    greedy again for the bytes it left."""
     plan = BudgetPlan(budget, fixed_bytes)
     at = {n: 0 for n in cands}
     used = fixed_bytes + sum(c[0].nbytes for c in cands.values())
     if used > budget:
         raise ConvertError(f"a target of {budget / 1e6:.1f} MB is below the smallest file this model can be "
                            f"with {LADDER[0].label} everywhere it is allowed: {used / 1e6:.1f} MB")
+    used = _greedy(cands, at, used, budget)
+    # each exchange lowers the loss by at least a millionth of the total (there are finitely many
+    # states, but the bound keeps a plan of thousands of matrices from crawling)
+    for _ in range(4 * len(cands)):
+        moved = _exchange(cands, at, used, budget)
+        if moved is None:
+            break
+        used = _greedy(cands, at, moved, budget)
+    plan.picked = {n: cands[n][i] for n, i in at.items()}
+    plan.bytes = used
+    plan.loss = float(sum(cands[n][i].loss for n, i in at.items()))
+    return plan
+
+
+def _greedy(cands: dict[str, list[Candidate]], at: dict[str, int], used: int, budget: int) -> int:
+    """Take the upgrade with the most loss removed per byte while the file fits (``at`` is moved in
+    place); the bytes then used."""
     heap: list[tuple[float, str, int]] = []
 
     def push(name: str) -> None:
@@ -243,10 +262,47 @@ def allocate(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -
         used += extra
         at[name] = j
         push(name)
-    plan.picked = {n: cands[n][i] for n, i in at.items()}
-    plan.bytes = used
-    plan.loss = float(sum(cands[n][i].loss for n, i in at.items()))
-    return plan
+    return used
+
+
+def _exchange(cands: dict[str, list[Candidate]], at: dict[str, int], used: int, budget: int) -> int | None:
+    """The best single exchange: one matrix up to any higher rung, paid for by one-rung steps down
+    of others (cheapest loss per freed byte first), when the loss it removes exceeds the loss the
+    steps down add. The greedy misses these: a large upgrade with the best ratio that did not fit
+    when the greedy reached it, after which smaller, worse ones took the bytes. Applies it to
+    ``at`` and returns the bytes then used, or None when no exchange lowers the loss."""
+    total = sum(cands[n][i].loss for n, i in at.items())
+    downs = sorted(((cands[m][i - 1].loss - cands[m][i].loss) / max(cands[m][i].nbytes - cands[m][i - 1].nbytes, 1),
+                    m) for m, i in at.items() if i > 0 and cands[m][i].nbytes > cands[m][i - 1].nbytes)
+    slack = budget - used
+    best: tuple[float, str, int, list[str], int] | None = None
+    for n, i in at.items():
+        c = cands[n]
+        for j in range(i + 1, len(c)):
+            gain = c[i].loss - c[j].loss
+            extra = c[j].nbytes - c[i].nbytes
+            if gain <= 0 or extra <= 0:
+                continue
+            freed, cost, steps = 0, 0.0, []
+            for _, m in downs:
+                if freed >= extra - slack or cost >= gain:
+                    break
+                if m == n:
+                    continue
+                k = at[m]
+                freed += cands[m][k].nbytes - cands[m][k - 1].nbytes
+                cost += cands[m][k - 1].loss - cands[m][k].loss
+                steps.append(m)
+            net = gain - cost
+            if freed >= extra - slack and net > 1e-6 * total and (best is None or net > best[0]):
+                best = (net, n, j, steps, extra - freed)
+    if best is None:
+        return None
+    _, n, j, steps, delta = best
+    at[n] = j
+    for m in steps:
+        at[m] -= 1
+    return used + delta
 
 
 def sensitivity_lookup(calibration) -> Callable[[str], float | None]:  # noqa: ANN001 - a calib.Calibration
