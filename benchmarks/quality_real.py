@@ -21,6 +21,10 @@ both engines (pycmf's tokenizer; benchmarks/real_model.py shows llama.cpp's give
   same number of tokens, in windows of 512), then ``llama-quantize --imatrix`` to the same types
   (Q8_0 ignores the matrix and is not repeated).
 
+``--source FILE --name NAME`` runs the same comparison on another model given as an f32 CMF
+file (e.g. ``cmf convert ../shared/models/base --quant f32``): one whose weights are genuinely
+full precision, where the SmolLM2 source is a dequantized Q4_1 file (docs/QUANT.md).
+
 MB = 10^6 bytes of file. ``--write`` appends the table to RESULTS.md; ``--plot`` draws PPL vs MB.
 """
 
@@ -141,6 +145,11 @@ def main() -> None:
                     help="score on the ids of the tokenizer with the GPT-2 split (no digit split): the ids "
                          "the llama.cpp figures of 2026-12-01 were measured on (f32 18.398)")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    ap.add_argument("--source", metavar="FILE", help="an f32 CMF file to use as the source instead of "
+                    "SmolLM2-135M-Instruct imported from its Q4_1 GGUF")
+    ap.add_argument("--name", default=None, help="the source's name in the table and the plot")
+    ap.add_argument("--calib-text", metavar="FILE", help="calibration text (default: the licence texts)")
+    ap.add_argument("--eval-text", metavar="FILE", help="evaluation text (default: man bash)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
     args = ap.parse_args()
@@ -155,7 +164,14 @@ def main() -> None:
     work = Path(args.dir or tempfile.mkdtemp(prefix="quality-real-"))
     work.mkdir(parents=True, exist_ok=True)
     calib_text, eval_text = texts(work)
-    f32 = work / "smol-f32.cmf"
+    calib_text = Path(args.calib_text) if args.calib_text else calib_text
+    eval_text = Path(args.eval_text) if args.eval_text else eval_text
+    f32 = Path(args.source) if args.source else work / "smol-f32.cmf"
+    stem = "smol" if not args.source else f32.stem  # work files' prefix
+    name = args.name or ("SmolLM2-135M-Instruct" if not args.source else f32.stem)
+    source_note = "f32 (imported from the Q4_1 GGUF)" if not args.source else f"f32 (`{f32.name}`)"
+    if args.gpt2_ids and args.source:
+        ap.error("--gpt2-ids is SmolLM2's tokenizer without its digit split: not for --source")
     if not f32.exists():
         subprocess.run([sys.executable, "-m", "cmf.cli", "import-gguf", str(fetch()), "-o", str(f32),
                         "--quant", "f32"], check=True, capture_output=True)
@@ -181,29 +197,29 @@ def main() -> None:
     calib_s = time.time() - t
     for q in pycmf_profiles:
         for with_cal in (False, True):
-            out = work / f"smol-{q}{'-calib' if with_cal else ''}.cmf"
+            out = work / f"{stem}-{q}{'-calib' if with_cal else ''}.cmf"
             requant(f32, out, quant=q, calib=cal if with_cal else None)
             ours(out, q + (" --calib" if with_cal else ""))
 
     llama: dict[str, tuple[float, float]] = {}
     types = [x for x in args.llama.split(",") if x]
     if types:
-        g32 = work / "smol-f32.gguf"
+        g32 = work / f"{stem}-f32.gguf"
         subprocess.run([sys.executable, "-m", "cmf.cli", "export", str(f32), "--format", "gguf", "--gguf-type", "F32",
                         "-o", str(g32)], check=True, capture_output=True)
         for ty in ([] if args.imatrix_only else types):
-            g = work / f"smol-{ty}.gguf"
+            g = work / f"{stem}-{ty}.gguf"
             llama_quantize(g32, g, ty)
             llama[ty] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
             rows.append(("llama.cpp", ty, *llama[ty]))
             print(f"llama.cpp {ty}: {llama[ty][0]:.1f} MB PPL {llama[ty][1]:.3f}", file=sys.stderr, flush=True)
         if args.llama_bin:
-            imat = work / "smol-imatrix.gguf"
+            imat = work / f"{stem}-imatrix.gguf"
             t = time.time()
             llama_imatrix(Path(args.llama_bin), g32, calib_text, imat, args.window, args.calib_tokens)
             imatrix_s = time.time() - t
             for ty in [x for x in types if x in IMATRIX_TYPES]:
-                g = work / f"smol-{ty}-imatrix.gguf"
+                g = work / f"{stem}-{ty}-imatrix.gguf"
                 llama_quantize_imatrix(Path(args.llama_bin), imat, g32, g, ty)
                 key = f"{ty} imatrix"
                 llama[key] = (g.stat().st_size / 1e6, llama_ppl(g, ids, args.window, chunks))
@@ -220,7 +236,7 @@ def main() -> None:
     for ty, (mb, _) in ({} if args.no_targets else llama).items():
         if mb <= lo or ty.endswith(" imatrix") and ty.split()[0] in llama and abs(mb - llama[ty.split()[0]][0]) < 0.05:
             continue  # an imatrix file of the plain one's size needs no second target file
-        out = work / f"smol-target-{ty.replace(' ', '-')}.cmf"
+        out = work / f"{stem}-target-{ty.replace(' ', '-')}.cmf"
         requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file
         ours(out, f"--target-mb ({ty} size) --calib")
 
@@ -236,12 +252,14 @@ def main() -> None:
         wins.append(f"- {ty} ({mb:.1f} MB, {p:.3f}): best pycmf file no larger: {verdict}")
     imatrix_note = (f"with (llama-imatrix on the same text, {imatrix_s:.0f} s) and without an importance matrix"
                     if args.llama_bin else "without an importance matrix")
+    calib_name = f"`{calib_text.name}`" if args.calib_text else "licence texts"
+    eval_name = f"`{eval_text.name}`" if args.eval_text else "`man bash`"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     sens_note = f", with each matrix's sensitivity on {sens} tokens" if sens else ""
     entry = (f"### {stamp} — {machine()}\n\n"
-             f"SmolLM2-135M-Instruct f32 (imported from the Q4_1 GGUF) as the source; calibration "
-             f"{cal.tokens if cal else args.calib_tokens} tokens of licence texts ({calib_s:.0f} s{sens_note}); "
-             f"evaluation `man bash`{' (GPT-2 split ids)' if args.gpt2_ids else ''}, {chunks} windows "
+             f"{name} {source_note} as the source; calibration "
+             f"{cal.tokens if cal else args.calib_tokens} tokens of {calib_name} ({calib_s:.0f} s{sens_note}); "
+             f"evaluation {eval_name}{' (GPT-2 split ids)' if args.gpt2_ids else ''}, {chunks} windows "
              f"of {args.window}. llama.cpp {imatrix_note}. {time.time() - t0:.0f} s in all.\n\n"
              f"{body}\n\n" + "\n".join(wins) + "\n")
     print(entry)
@@ -261,8 +279,8 @@ def main() -> None:
                 ax.plot(*zip(*pts), style, label=label)
         ax.axhline(f32_ppl, color="grey", lw=0.8, ls=":", label="f32")
         ax.set_xlabel("file size (MB)")
-        ax.set_ylabel("perplexity, man bash")
-        ax.set_title("SmolLM2-135M-Instruct: perplexity vs size")
+        ax.set_ylabel(f"perplexity, {eval_name.strip('`')}")
+        ax.set_title(f"{name}: perplexity vs size")
         ax.set_ylim(f32_ppl * 0.98, f32_ppl * 1.6)
         ax.legend()
         fig.tight_layout()

@@ -20,7 +20,7 @@ Without statistics for a matrix (the calibration never ran it), the plain encode
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +38,6 @@ _FEEDBACK = {Dtype.Q4_BLOCK: "q4", Dtype.Q4_TILED: "q4", Dtype.Q4TP: "q4", Dtype
              Dtype.VBIT: "int", Dtype.VBIT_RO: "int"}
 _MSE = frozenset({Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP, Dtype.VBIT, Dtype.VBIT_RO})
 _VBIT = (Dtype.VBIT, Dtype.VBIT_RO)
-# dtypes whose scales are free f16 values (q4tp / q2tp store theirs as rungs of a per-row ladder)
-_REFIT = frozenset({Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q8_ROW, Dtype.VBIT, Dtype.VBIT_RO})
 Q1T_CALIB_KEEP = 0.01
 
 
@@ -76,23 +74,10 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
         return plain
     unperm = np.empty_like(levels)
     unperm[:, perm] = levels
-    best, best_err = plain, feedback.output_error(w, quant.decode(plain, dt, w.shape), hess)
-    for out in _refitted(with_levels(plain, dt, w.shape, unperm), dt, w, unperm, hess):
-        err = feedback.output_error(w, quant.decode(out, dt, w.shape), hess)
-        if err < best_err:
-            best, best_err = out, err
-    return best
-
-
-def _refitted(data: bytes, dtype: Dtype, w: np.ndarray, levels: np.ndarray, hess: np.ndarray) -> Iterator[bytes]:
-    """``data`` (levels from GPTQ), then, for the dtypes whose scales are free f16 values, the
-    same levels at least-squares scales (:func:`feedback.refit_scales`)."""
-    yield data
-    if dtype not in _REFIT:
-        return
-    group = w.shape[1] if dtype == Dtype.Q8_ROW else GROUP
-    old = element_scales(data, dtype, w.shape)[:, ::group]
-    yield with_scales(data, dtype, w.shape, feedback.refit_scales(w, levels, hess, group, old))
+    out = with_levels(plain, dt, w.shape, unperm)
+    before = feedback.output_error(w, quant.decode(plain, dt, w.shape), hess)
+    after = feedback.output_error(w, quant.decode(out, dt, w.shape), hess)
+    return out if after < before else plain
 
 
 def _factor(stats: InputStats) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -177,23 +162,3 @@ def with_levels(data: bytes, dtype: Dtype, shape: tuple[int, int], levels: np.nd
     old[~zero] = nib[~zero]
     return buf.tobytes()
 
-
-
-def with_scales(data: bytes, dtype: Dtype, shape: tuple[int, int], scales: np.ndarray) -> bytes:
-    """``data`` with its f16 scales replaced by ``scales`` (rows × groups; one per row for q8_row),
-    its level plane unchanged. For the dtypes of ``_REFIT``."""
-    rows, cols = shape
-    gpr = cols // GROUP
-    buf = as_bytes_array(data).copy()
-    half = np.asarray(scales, np.float32).astype("<f2").view(np.uint8)
-    if dtype == Dtype.Q8_ROW:
-        buf[rows * cols:] = half.reshape(-1)
-    elif dtype in _VBIT:
-        buf[rows:rows + 2 * rows * gpr] = half.reshape(-1)
-    elif dtype == Dtype.Q4_BLOCK:
-        buf[16 * rows * gpr:] = half.reshape(-1)
-    elif dtype == Dtype.Q4_TILED:
-        buf.reshape(rows * gpr, 18)[:, :2] = half.reshape(-1, 2)
-    else:
-        raise ValueError(f"{dtype.name} stores no free f16 scales")
-    return buf.tobytes()

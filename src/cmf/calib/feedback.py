@@ -127,37 +127,6 @@ def gptq_levels(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray, kind: st
     return out
 
 
-def refit_scales(w: np.ndarray, levels: np.ndarray, hessian: np.ndarray, group: int,
-                 old: np.ndarray) -> np.ndarray:
-    """The group scales (rows × cols/group, f64) that minimise the output error
-    ``tr((W - Q) H (W - Q)ᵀ)`` of ``Q = levels · scale`` with the levels held fixed.
-
-    GPTQ chooses levels for scales picked before it; once the levels are known, each row's scales
-    are a linear least-squares problem (``(Bᵀ H B) s = Bᵀ H w`` with B the row's levels spread
-    over its groups), which lowers the output error by a further ~3% on SmolLM2-135M's matrices
-    (docs/QUANT.md). A small ridge toward ``old`` keeps groups the levels leave undetermined (all
-    zero) at their old scale; a refit that comes out non-positive or non-finite keeps the old one."""
-    rows, cols = w.shape
-    g = cols // group
-    h = np.asarray(hessian, np.float64)
-    hw = np.asarray(w, np.float64) @ h
-    h3 = h.reshape(cols, g, group)
-    out = np.array(old, np.float64, copy=True)
-    eye = np.eye(g)
-    step = max(1, (1 << 22) // (cols * g))  # rows per chunk: ~32 MB of f64 partial products
-    for r0 in range(0, rows, step):
-        q = np.asarray(levels[r0:r0 + step], np.float64).reshape(-1, g, group)
-        # p[r, i, k] = sum over j in group k of H[i, j] q[r, j]; m[r, g, k] = sum over i in group g of q[r, i] p[r, i, k]
-        p = np.einsum("igj,rgj->rig", h3, q, optimize=True)
-        m = np.einsum("rgj,rgjk->rgk", q, p.reshape(len(q), g, group, g), optimize=True)
-        b = (hw[r0:r0 + step].reshape(-1, g, group) * q).sum(-1)
-        ridge = 1e-6 * np.trace(m, axis1=1, axis2=2)[:, None, None] / g + 1e-30
-        s0 = out[r0:r0 + step]
-        s = np.linalg.solve(m + ridge * eye, (b + ridge[:, :, 0] * s0)[..., None])[..., 0]
-        out[r0:r0 + step] = np.where(np.isfinite(s) & (s > 0), s, s0)
-    return out
-
-
 def order(hessian: np.ndarray) -> np.ndarray:
     """Act-order: input features by decreasing diag(H)."""
     return np.argsort(-np.diag(hessian), kind="stable")
