@@ -49,6 +49,8 @@ TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TA
 # optimistic on other text (SmolLM2 with --calib: 112.1 MB 18.668 with the floor against 18.693
 # without, 105.5 MB 18.825 against 18.960; docs/QUANT.md "Target size").
 FLOOR = True
+# room below which a plan is not redone for the padding it did not need (one small payload's alignment)
+TENSOR_SLACK = 64
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -319,11 +321,15 @@ def sensitivity_lookup(calibration) -> Callable[[str], float | None]:  # noqa: A
 
 def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], fixed_bytes: int,
                 budget: int, calibration=None, progress: Callable[[int], None] | None = None,  # noqa: ANN001
-                cache: dict[str, list[Candidate]] | None = None) -> BudgetPlan:
+                cache: dict[str, list[Candidate]] | None = None,
+                layout: list[tuple[str, int | None]] | None = None, reserved: int = 0) -> BudgetPlan:
     """Dtypes for the movable matrices ``items`` (name, loader of its f32 values, encoder options).
 
     ``cache``: candidates by name, filled on the first call and reused after (several budgets of
-    one model and calibration measure each candidate once)."""
+    one model and calibration measure each candidate once). ``layout``: every payload of the file
+    in write order (name, size; None for a movable matrix) and ``reserved``: the alignment padding
+    the caller set aside beyond ``budget`` (:func:`worst_padding`). With both, the plan is
+    redone while the exact padding of its layout leaves room (:func:`_use_padding_slack`)."""
     cands: dict[str, list[Candidate]] = {}
     sensitivity_of = sensitivity_lookup(calibration)
     tables = getattr(calibration, "table_loss", None) or {}
@@ -341,17 +347,56 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
             cache[name] = cands[name]
         if progress is not None:
             progress(1)
-    if FLOOR:
-        cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
-    plan = allocate(cands, fixed_bytes, budget)
+    plan = _plan(cands, fixed_bytes, budget)
+    if layout is not None and reserved > 0:
+        plan = _use_padding_slack(cands, plan, layout, budget + reserved)
     log.info("budget: %s", plan.summary())
     return plan
 
 
+def _plan(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
+    if FLOOR:
+        cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
+    return allocate(cands, fixed_bytes, budget)
+
+
+def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layout: list[tuple[str, int | None]],
+                       limit: int) -> BudgetPlan:
+    """Replan with the bytes the worst-case padding reservation did not need. ``limit``: what the
+    payloads and their padding may take together. A file of many tensors reserves up to 4 KiB
+    of padding each (spec §4), which is 5% of a 2.4 MB model; the exact padding of a planned
+    layout is known, so the plan is redone with the room it left added to its budget, a trial
+    that overshoots giving its overshoot back (at most eight rounds; each is a greedy allocation,
+    no encoding). The best plan that fits is kept."""
+    from ..format.spool import data_span
+
+    def span(p: BudgetPlan) -> int:
+        return data_span(p.picked[n].nbytes if s is None else s for n, s in layout)
+
+    best = plan
+    budget = plan.target_bytes + limit - span(plan)
+    for _ in range(8):
+        if budget - best.target_bytes < TENSOR_SLACK:
+            break
+        trial = _plan(cands, plan.fixed_bytes, budget)
+        over = span(trial) - limit
+        if over > 0:
+            budget -= over
+            continue
+        if trial.loss < best.loss:
+            best = trial
+        room = limit - span(trial)
+        if room < TENSOR_SLACK:
+            break
+        budget += room
+    return best
+
+
 def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibration=None,  # noqa: ANN001
                 progress: Callable[[int], None] | None = None,
-                cache: dict[str, list[Candidate]] | None = None) -> tuple[BudgetPlan, dict[str, Any]]:
-    """Plan the dtypes of an open CMF file's matrices under ``budget`` bytes of tensor payloads.
+                cache: dict[str, list[Candidate]] | None = None, reserved: int = 0) -> tuple[BudgetPlan, dict[str, Any]]:
+    """Plan the dtypes of an open CMF file's matrices under ``budget`` bytes of tensor payloads
+    (``reserved``: the padding set aside beyond it, spent when the exact layout leaves room).
 
     Returns the plan and {name: Choice} for the movable matrices (``requant`` writes the rest as
     ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
@@ -361,28 +406,32 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
 
     fixed = 0
     items = []
+    layout: list[tuple[str, int | None]] = []
     for t in f.tensors():
         shape = tuple(t.shape)
         choice = policy.choose(t.name, shape) if len(shape) == 2 else None
         if choice is not None and selected(t.name) and (movable(t.name, shape, choice.dtype)
                                                         or table_item(t.name, shape, choice.dtype, calibration)):
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
+            layout.append((t.name, None))
             continue
         if choice is None or not selected(t.name) or choice.dtype == t.dtype.label or choice.reason in (
                 "not 2-D", "< 32 elements", "precision-critical") and choice.dtype == t.dtype.label:
-            fixed += t.nbytes
+            n = t.nbytes
         else:
             n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
-            fixed += n if n is not None else t.nbytes
-    plan = plan_budget(items, fixed, budget, calibration, progress, cache)
+            n = n if n is not None else t.nbytes
+        fixed += n
+        layout.append((t.name, n))
+    plan = plan_budget(items, fixed, budget, calibration, progress, cache, layout, reserved)
     return plan, {n: Choice(c.dtype, dict(c.options), "budget") for n, c in plan.picked.items()}
 
 
-def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.hf.Plan
-    """Bytes of the file ``plan`` writes that are not tensor payloads, at most: envelope, header
-    (with room for the budget summary it gains), directory and vocab exactly as the writer lays
-    them out, and every payload's worst-case alignment padding (4096 for payloads that may reach
-    16 KiB, 64 below; spec §4)."""
+def _plan_overhead(plan, movable: set[str]) -> tuple[int, int]:  # noqa: ANN001 - a convert.hf.Plan
+    """Bytes of the file ``plan`` writes that are not tensor payloads, at most: (envelope, header
+    with room for the budget summary it gains, directory and vocab exactly as the writer lays
+    them out; every payload's worst-case alignment padding: 4096 for payloads that may reach
+    16 KiB, 64 below, spec §4)."""
     from ..format.constants import DATA_ALIGN
     from ..format.directory import encode_directory
     from ..format.envelope import ENVELOPE_SIZE
@@ -394,7 +443,7 @@ def _plan_overhead(plan, movable: set[str]) -> int:  # noqa: ANN001 - a convert.
                                  [0] * len(items), [0] * len(items), [0] * len(items)))
     head = -(-head // DATA_ALIGN) * DATA_ALIGN
     vocab = len(plan.tokenizer.tokenizer_json or b"")
-    return head + vocab + worst_padding(16384 if i.name in movable else i.out_bytes for i in items)
+    return head + vocab, worst_padding(16384 if i.name in movable else i.out_bytes for i in items)
 
 
 def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN001 - a convert.hf.Plan
@@ -413,11 +462,13 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
              if i.choice.reason in ("quant", "attn-quant") and movable(i.name, tuple(i.shape), i.choice.dtype)
              or table_item(i.name, tuple(i.shape), i.choice.dtype, plan.calibration)]
     names = {i.name for i in moved}
-    budget = target_bytes(target_mb, bpw, total) - _plan_overhead(plan, names)
+    head, padding = _plan_overhead(plan, names)
+    budget = target_bytes(target_mb, bpw, total) - head - padding
     fixed = sum(i.out_bytes for i in plan.items if i.name not in names)
     items = [(i.name, (lambda i=i: np.asarray(plan.checkpoint.read(i.source, i.cut), np.float32)), i.choice.options)
              for i in moved]
-    bplan = plan_budget(items, fixed, budget, plan.calibration, progress)
+    layout = [(i.name, None if i.name in names else i.out_bytes) for i in plan.items]
+    bplan = plan_budget(items, fixed, budget, plan.calibration, progress, layout=layout, reserved=padding)
     for i in moved:
         c = bplan.picked[i.name]
         i.choice = Choice(c.dtype, dict(c.options), "budget")

@@ -187,6 +187,11 @@ class CmfFile:
         return sum(p.size for p in self._parts)
 
     @property
+    def data_len(self) -> int:
+        """Bytes of the data sections (payloads and their alignment padding) over all shards."""
+        return sum(p.envelope.section("data").len for p in self._parts)
+
+    @property
     def arch(self):
         return self.header.arch
 

@@ -24,6 +24,15 @@ def tensor_alignment(nbytes: int) -> int:
     return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES else TENSOR_ALIGN
 
 
+def data_span(sizes: Iterable[int]) -> int:
+    """Bytes of a data section holding payloads of these sizes in this order (each placed at its
+    :func:`tensor_alignment` relative to data_off, as the writer places them)."""
+    off = 0
+    for n in sizes:
+        off = align_up(off, tensor_alignment(n)) + n
+    return off
+
+
 @dataclass(frozen=True)
 class Entry:
     """A directory record to be written."""

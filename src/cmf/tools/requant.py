@@ -142,8 +142,8 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
 
         with cmf_open(src) as f:
             total = sum(t.numel for t in f.tensors())
-            overhead = _file_overhead(f)
-        budget = target_bytes(target_mb, bpw, total) - overhead
+            own, padding = _file_overhead(f)
+        budget = (target_bytes(target_mb, bpw, total) - own - padding, padding)
     cal = None
     if calib is not None and not isinstance(calib, (str, os.PathLike)):
         cal = calib  # a Calibration collected before
@@ -165,15 +165,18 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
     return _rewrite(Path(src), Path(dst), quant, include, exclude, mean_bits, progress, cal, budget, budget_cache)
 
 
-def _file_overhead(f) -> int:  # noqa: ANN001 - a CmfFile
-    """Bytes of a rewrite of ``f`` that are not tensor payloads, at most: its own header, vocab,
-    masks and directory, plus the worst-case alignment padding of every payload (4096 for those
-    of 16 KiB and more, 64 below; spec §4): --target-mb / --bpw then bound the whole file."""
+def _file_overhead(f) -> tuple[int, int]:  # noqa: ANN001 - a CmfFile
+    """Bytes of a rewrite of ``f`` that are not tensor payloads, at most: (its own envelope,
+    header, directory, masks and vocab — everything but the data section — plus one 4 KiB
+    alignment step for the provenance the header gains; the worst-case alignment padding of every
+    payload: 4096 for those of 16 KiB and more, 64 below, spec §4). --target-mb / --bpw then
+    bound the whole file; the budget spends the padding the exact layout does not need."""
     from ..convert.budget import worst_padding
+    from ..format.constants import DATA_ALIGN
 
     tensors = list(f.tensors())
-    own = sum(p.stat().st_size for p in f.paths) - sum(t.nbytes for t in tensors)
-    return max(own, 0) + worst_padding(t.nbytes for t in tensors)
+    own = f.size - f.data_len + DATA_ALIGN
+    return max(own, 0), worst_padding(t.nbytes for t in tensors)
 
 
 def _entry(t, choice, new_nbytes: int | None, reason: str) -> dict[str, Any]:  # noqa: ANN001
@@ -210,8 +213,8 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
         if budget is not None:
             from ..convert.budget import file_budget
 
-            bplan, moved = file_budget(f, policy, lambda n: _selected(n, include, exclude), budget, cal,
-                                       cache=budget_cache)
+            bplan, moved = file_budget(f, policy, lambda n: _selected(n, include, exclude), budget[0], cal,
+                                       cache=budget_cache, reserved=budget[1])
             if isinstance(header.get("provenance"), dict):
                 header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
         with CmfWriter(dst, header) as w:
