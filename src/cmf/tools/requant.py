@@ -195,7 +195,9 @@ def _summary(src: Path, out: Path, quant: str, entries: list[dict[str, Any]], mo
 
 
 def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, progress, cal=None,
-             budget: int | None = None, budget_cache: dict | None = None) -> dict[str, Any]:
+             budget: tuple[int, int] | None = None, budget_cache: dict | None = None) -> dict[str, Any]:
+    """The rewrite into a new file. ``budget``: (bytes the payloads may take, padding reserved
+    beyond that) for --target-mb / --bpw, None otherwise."""
     from ..format.errors import WriterError
     from ..format.reader import open as cmf_open
     from ..format.writer import CmfWriter
