@@ -404,7 +404,6 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     from .. import quant as _quant
     from .policy import Choice
 
-    fixed = 0
     items = []
     layout: list[tuple[str, int | None]] = []
     for t in f.tensors():
@@ -421,8 +420,8 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
         else:
             n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
             n = n if n is not None else t.nbytes
-        fixed += n
         layout.append((t.name, n))
+    fixed = sum(n for _, n in layout if n is not None)
     plan = plan_budget(items, fixed, budget, calibration, progress, cache, layout, reserved)
     return plan, {n: Choice(c.dtype, dict(c.options), "budget") for n, c in plan.picked.items()}
 
@@ -464,10 +463,10 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
     names = {i.name for i in moved}
     head, padding = _plan_overhead(plan, names)
     budget = target_bytes(target_mb, bpw, total) - head - padding
-    fixed = sum(i.out_bytes for i in plan.items if i.name not in names)
     items = [(i.name, (lambda i=i: np.asarray(plan.checkpoint.read(i.source, i.cut), np.float32)), i.choice.options)
              for i in moved]
     layout = [(i.name, None if i.name in names else i.out_bytes) for i in plan.items]
+    fixed = sum(n for _, n in layout if n is not None)
     bplan = plan_budget(items, fixed, budget, plan.calibration, progress, layout=layout, reserved=padding)
     for i in moved:
         c = bplan.picked[i.name]
