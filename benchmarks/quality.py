@@ -1,6 +1,12 @@
 """Quality per dtype: held-out perplexity of ../shared/models/base converted at every dtype.
 
     python benchmarks/quality.py [--models ../shared/models] [--quants f32,q8,...] [--max-windows N]
+    python benchmarks/quality.py --real [quality_real.py's options]
+
+``--real`` is the real-model mode: pycmf's perplexity-versus-size front beside llama.cpp's types
+quantized from the same F32 GGUF, calibration on one text and evaluation on another (SmolLM2-135M,
+or ``--source FILE`` such as the shared model at f32); it runs ``quality_real.py`` with the
+options that follow.
 
 Protocol (../shared/models/README.md): split the text on blank lines, encode each paragraph +
 "\\n\\n" without special tokens, concatenate, cut non-overlapping 257-token windows, score
@@ -98,4 +104,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--real" in sys.argv[1:]:
+        import quality_real
+
+        sys.argv = [sys.argv[0]] + [a for a in sys.argv[1:] if a != "--real"]
+        quality_real.main()
+    else:
+        main()

@@ -84,12 +84,13 @@ def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
 
     # a: q2tp predicted almost free; b: sensitive. 1250 bytes fit both at q4tp (900) but not at q8 (1700)
     cands = {"a": ladder(0.11, 0.1, 0.0), "b": ladder(2.0, 0.5, 0.0)}
-    assert ladder_floor(cands, 100, 1250) == 1  # q4tp for everyone fits, nothing above does
+    rung = {r.label: k for k, r in enumerate(LADDER)}
+    assert ladder_floor(cands, 100, 1250) == rung["q4tp"]  # q4tp for everyone fits, nothing above does
     assert ladder_floor(cands, 100, 700) == 0
     assert ladder_floor(cands, 0, 10_000) == len(LADDER) - 1  # q8_row for everyone
     # without the floor the knapsack leaves a at q2tp and buys b's q8; with it a stays at q4tp
     assert allocate(cands, 100, 1250).choice == {"a": "q2tp", "b": "q8_row"}
-    floored = above_floor(cands, 1)
+    floored = above_floor(cands, rung["q4tp"])
     assert [c.name for c in floored["a"]] == ["q4tp", "q8_row"] and cands["a"][0].name == "q2tp"  # not mutated
     assert allocate(floored, 100, 1250).choice == {"a": "q4tp", "b": "q4tp"}
     items = [(n, (lambda: np.zeros((2, 32), np.float32)), {}) for n in cands]
@@ -103,18 +104,20 @@ def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
 
 
 def test_the_ladder_measures_every_rung_and_vbit_fills_the_gap():
-    """Five rungs, each smaller and lossier than the next; the vbit rungs carry their mean bits
-    to the encoder, and a budget between q4tp and q8_row can end on one of them."""
+    """Six rungs, each smaller and lossier than the next; the vbit rungs carry their mean bits
+    to the encoder, and a budget between q2tp and q4tp or between q4tp and q8_row can end on one
+    of them."""
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
     c = candidates(w, None, {})
-    assert [x.name for x in c] == [r.label for r in LADDER] == ["q2tp", "q4tp", "vbit5", "vbit6", "q8_row"]
-    assert [x.options for x in c][2:4] == [{"mean_bits": 5.0}, {"mean_bits": 6.0}]
+    assert [x.name for x in c] == [r.label for r in LADDER] == ["q2tp", "vbit3", "q4tp", "vbit5", "vbit6", "q8_row"]
+    assert [x.options for x in c] == [{}, {"mean_bits": 3.0}, {}, {"mean_bits": 5.0}, {"mean_bits": 6.0}, {}]
     assert all(a.nbytes < b.nbytes and a.loss > b.loss for a, b in zip(c, c[1:]))
     bits = [8 * x.nbytes / w.size for x in c]
-    assert 5.0 < bits[2] < 6.0 < bits[3] < 7.0, bits
-    p = allocate({"a": c}, 0, c[2].nbytes + 10)
-    assert p.choice == {"a": "vbit5"} and p.picked["a"].dtype == "vbit" and p.bytes == c[2].nbytes
+    assert 2.0 < bits[0] < 3.0 < bits[1] < 4.0 < bits[2] < 5.0 < bits[3] < 6.0 < bits[4] < 7.0 < bits[5], bits
+    for k in (1, 3):
+        p = allocate({"a": c}, 0, c[k].nbytes + 10)
+        assert p.choice == {"a": c[k].name} and p.picked["a"].dtype == "vbit" and p.bytes == c[k].nbytes
 
 
 def test_target_and_loss_helpers():
@@ -223,3 +226,21 @@ def test_convert_target_size_refusals(tmp_path):
     r = subprocess.run([sys.executable, "-m", "cmf.cli", "import-gguf", str(tmp_path / "missing.gguf"), "-o",
                         str(tmp_path / "g.cmf"), "--bpw", "0.5"], capture_output=True, text=True)
     assert r.returncode != 0 and "--bpw 0.5 is outside 1..32" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_tables_rungs_below_8_bits_are_for_tight_budgets_only():
+    """Above a q4tp floor the table stays at 8 bits (q8_row or vbit 8); a budget whose floor is at
+    q4tp or lower may also take it to vbit 5 or 6 for its matrices (docs/QUANT.md)."""
+    from cmf.convert.budget import _table_rungs_for
+
+    table = [Candidate("vbit", 300, 0.05, {"mean_bits": 5.0}, "vbit5"),
+             Candidate("vbit", 360, 0.02, {"mean_bits": 6.0}, "vbit6"),
+             Candidate("q8_row", 480, 0.01, label="q8_row"), Candidate("vbit", 500, 0.001, {"mean_bits": 8.0}, "vbit8")]
+    cands = {"a": ladder(0.5, 0.1, 0.0), "t": table}
+    assert [c.name for c in _table_rungs_for(cands, 0, 880)["t"]] == ["vbit5", "vbit6", "q8_row", "vbit8"]
+    loose = _table_rungs_for(cands, 0, 1300)
+    assert [c.name for c in loose["t"]] == ["q8_row", "vbit8"] and loose["a"] == cands["a"]
+    # the loose budget's plan: a at q8_row and the table at 8 bits, not the table at vbit 6 for the matrix
+    items = [(n, (lambda: np.zeros((2, 32), np.float32)), {}) for n in cands]
+    assert plan_budget(items, 0, 1300, cache={n: list(c) for n, c in cands.items()}).choice == {"a": "q8_row", "t": "vbit8"}
+    assert plan_budget(items, 0, 880, cache={n: list(c) for n, c in cands.items()}).choice == {"a": "q4tp", "t": "q8_row"}

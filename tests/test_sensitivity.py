@@ -150,8 +150,10 @@ def test_measure_table_gives_each_rungs_kl_and_leaves_the_model_as_it_was(base_f
 
 
 def test_the_token_table_is_a_budget_item_only_with_its_measured_kl():
+    losses = {"vbit5": 0.05, "vbit6": 0.02, "q8_row": 0.01, "vbit8": 0.001}
+
     class Cal:
-        table_loss = {"model.embed_tokens.weight": {"q8_row": 0.01, "vbit8": 0.001}}
+        table_loss = {"model.embed_tokens.weight": losses}
         sensitivity: dict = {}
 
         def get(self, name):
@@ -165,21 +167,22 @@ def test_the_token_table_is_a_budget_item_only_with_its_measured_kl():
     assert not table_item(name, table.shape, "q8_row", None)  # nothing measured: stays as the policy says
     assert not table_item(name, table.shape, "f16", Cal())
     assert not table_item("model.layers.0.mlp.down_proj.weight", table.shape, "q8_row", Cal())
-    cands = table_candidates(table, Cal.table_loss[name])
-    assert [c.name for c in cands] == [r.label for r in TABLE_LADDER] == ["q8_row", "vbit8"]
-    # equal row amplitudes: every vbit row at 8 bits, an f16 scale per 32 (0.5 bits more than q8_row)
-    assert cands[0].nbytes == 96 * 64 + 2 * 96 and cands[1].nbytes == 96 + 2 * 96 * 2 + 96 * 64
-    assert [c.loss for c in cands] == [0.01, 0.001]
+    cands = table_candidates(table, losses)
+    assert [c.name for c in cands] == [r.label for r in TABLE_LADDER] == ["vbit5", "vbit6", "q8_row", "vbit8"]
+    # equal row amplitudes: every vbit row at its mean width, an f16 scale per 32
+    assert [c.nbytes for c in cands] == [96 + 2 * 96 * 2 + 96 * 64 * b // 8 for b in (5, 6)] + [
+        96 * 64 + 2 * 96, 96 + 2 * 96 * 2 + 96 * 64]
+    assert [c.loss for c in cands] == [0.05, 0.02, 0.01, 0.001]
     items = [(name, lambda: table, {})]
-    assert plan_budget(items, 0, cands[0].nbytes, Cal()).choice == {name: "q8_row"}
-    assert plan_budget(items, 0, cands[1].nbytes, Cal()).choice == {name: "vbit8"}
-    # a vbit encoding smaller than q8_row (rows far below the mean amplitude take 6 bits) and
-    # better is the table's only rung; a smaller but worse one comes first
+    for c in cands:
+        assert plan_budget(items, 0, c.nbytes, Cal()).choice == {name: c.name}
+    # a vbit 8 encoding smaller than q8_row (rows far below the mean amplitude take 6 bits) and
+    # better drops q8_row; a smaller but worse one comes before it
     table[::2] *= 0.05
-    small = table_candidates(table, Cal.table_loss[name])
-    assert [c.name for c in small] == ["vbit8"] and small[0].nbytes < cands[0].nbytes
-    worse = table_candidates(table, {"q8_row": 0.001, "vbit8": 0.01})
-    assert [c.name for c in worse] == ["vbit8", "q8_row"]
+    small = table_candidates(table, losses)
+    assert [c.name for c in small] == ["vbit5", "vbit6", "vbit8"] and small[-1].nbytes < cands[2].nbytes
+    worse = table_candidates(table, dict(losses, q8_row=0.001, vbit8=0.01))
+    assert [c.name for c in worse] == ["vbit5", "vbit6", "vbit8", "q8_row"]
 
 
 def test_the_budget_spends_bytes_on_the_sensitive_matrix():

@@ -81,11 +81,12 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
 
 
 def _factor(stats: InputStats) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(mean Hessian, act order, inverse Cholesky factor of the permuted Hessian or None), computed
-    once for all the matrices that share the input and dropped after the last of them."""
+    """(Hessian as :meth:`InputStats.robust_hessian` gives it, act order, inverse Cholesky factor
+    of the permuted Hessian or None), computed once for all the matrices that share the input and
+    dropped after the last of them."""
     with stats.lock:
         if stats.factor is None:
-            hess = stats.mean_hessian()
+            hess = stats.robust_hessian()
             perm = feedback.order(hess)
             stats.factor = (hess, perm, feedback.inverse_cholesky(hess[np.ix_(perm, perm)]))
             stats.factor_uses = 0

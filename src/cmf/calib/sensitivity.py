@@ -29,11 +29,15 @@ log = logging.getLogger(__name__)
 
 PROBE_DTYPE = "q4tp"
 DEFAULT_SAMPLE_TOKENS = 128
-# The token table's rungs (label, dtype, encoder options): it stays at 8 bits (a lookup table is
-# wrong at 4), as q8_row (one scale per row) or vbit at a mean of 8 bits (an f16 scale per 32,
-# ~0.47 bits more; rows far below the mean amplitude take 6). On SmolLM2-135M, every other tensor f32: q8_row PPL 18.444, vbit 8 18.400,
-# f32 18.398 (its rows carry outliers; docs/QUANT.md). convert.budget offers both by their KL.
-TABLE_RUNGS = (("q8_row", "q8_row", ()), ("vbit8", "vbit", (("mean_bits", 8.0),)))
+# The token table's rungs (label, dtype, encoder options), cheapest first. At 8 bits (a lookup
+# table is wrong at 4) as q8_row (one scale per row) or vbit at a mean of 8 bits (an f16 scale per
+# 32, ~0.47 bits more; rows far below the mean amplitude take 6): on SmolLM2-135M, every other
+# tensor f32, q8_row PPL 18.444, vbit 8 18.400, f32 18.398 (its rows carry outliers). vbit at 5 and
+# 6 bits: on a small model the table is a fifth of the file (shared Qwen3: 0.52 MB of 2.4), and
+# llama.cpp's mixes keep it at 6 bits (Q6_K); measured by their KL like the others, they let a
+# tight budget spend on the matrices (docs/QUANT.md). convert.budget offers each by its KL.
+TABLE_RUNGS = (("vbit5", "vbit", (("mean_bits", 5.0),)), ("vbit6", "vbit", (("mean_bits", 6.0),)),
+               ("q8_row", "q8_row", ()), ("vbit8", "vbit", (("mean_bits", 8.0),)))
 _FLOOR = 1e-12  # relative errors below this (an all-zero matrix) have no measurable sensitivity
 
 

@@ -38,12 +38,17 @@ class Rung:
 # The vbit rungs fill the gap between 4 and 8 bits: on SmolLM2-135M (14 matrices of layers 5
 # and 20, relative weight error) q4tp 7.6e-3 at 4.22 bits, vbit 5 2.1e-3 at 5.52, vbit 6 5.5e-4
 # at 6.45, q8_row 7.4e-5 at 8.03 — the step to vbit 5 removes 4.2e-3 per added bit, the jump to
-# q8_row 2.0e-3 (docs/QUANT.md, "Target size").
-LADDER = (Rung("q2tp", "q2tp"), Rung("q4tp", "q4tp"), Rung("vbit5", "vbit", (("mean_bits", 5.0),)),
-          Rung("vbit6", "vbit", (("mean_bits", 6.0),)), Rung("q8_row", "q8_row"))
-# The token table's own two rungs (q8_row, vbit at 8 bits): a budget may move it between them when
+# q8_row 2.0e-3 (docs/QUANT.md, "Target size"). vbit 3 (~3.5 bits) is the step between q2tp, which
+# a dense model does not survive, and q4tp: on the shared model at llama.cpp Q3_K_M's size it took
+# PPL from 24.03 to 23.55 (docs/QUANT.md, "A 3-bit rung").
+LADDER = (Rung("q2tp", "q2tp"), Rung("vbit3", "vbit", (("mean_bits", 3.0),)), Rung("q4tp", "q4tp"),
+          Rung("vbit5", "vbit", (("mean_bits", 5.0),)), Rung("vbit6", "vbit", (("mean_bits", 6.0),)),
+          Rung("q8_row", "q8_row"))
+# The token table's own rungs (vbit 5 and 6, q8_row, vbit 8): a budget may move it between them when
 # the calibration measured each one's KL (calib.sensitivity.measure_table), which is its loss.
 TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TABLE_RUNGS)
+# the table's rungs offered only to a tight budget (see _table_rungs_for)
+TABLE_TIGHT_ONLY = frozenset(label for label, dtype, options in TABLE_RUNGS if dict(options).get("mean_bits", 8) < 8)
 # No matrix goes below the budget's uniform level (the highest rung all of them could take at once):
 # the predicted loss of a rung two steps down comes from in-sample output error and was too
 # optimistic on other text (SmolLM2 with --calib: 112.1 MB 18.668 with the floor against 18.693
@@ -51,6 +56,8 @@ TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TA
 FLOOR = True
 # room below which a plan is not redone for the padding it did not need (one small payload's alignment)
 TENSOR_SLACK = 64
+# bisection rounds over the padding the worst case reserved (4 KiB per tensor): 12 halve it to < 1 KiB
+SLACK_ROUNDS = 12
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -155,7 +162,7 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
     scales every rung's loss; None leaves the relative error as it is."""
     from .. import calib, quant
 
-    hess = stats.mean_hessian() if stats is not None else None
+    hess = stats.robust_hessian() if stats is not None else None
     out = []
     for rung in LADDER:
         opts = dict(rung.options)
@@ -356,8 +363,22 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
 
 def _plan(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
     if FLOOR:
+        cands = _table_rungs_for(cands, fixed_bytes, budget)
         cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
     return allocate(cands, fixed_bytes, budget)
+
+
+def _table_rungs_for(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> dict[str, list[Candidate]]:
+    """The candidates with the token table's rungs below 8 bits (:data:`TABLE_TIGHT_ONLY`) left out
+    unless the budget is tight: its floor, with the table at 8 bits, at q4tp or lower. Above that
+    floor the matrices' predicted gains (a q4tp probe's KL scaled to errors 4–15x smaller) overstate
+    what the bytes buy: SmolLM2 at 112.1 MB took the table to vbit 6 for matrix upgrades and
+    measured 18.862 against 18.646 with it at q8_row (docs/QUANT.md)."""
+    eight = {n: [c for c in cs if c.name not in TABLE_TIGHT_ONLY] or cs if _ladder_rungs(cs) is None else cs
+             for n, cs in cands.items()}
+    q4tp = next(k for k, r in enumerate(LADDER) if r.label == "q4tp")
+    tight = ladder_floor(eight, fixed_bytes, budget) <= q4tp
+    return cands if tight else eight
 
 
 def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layout: list[tuple[str, int | None]],
@@ -365,30 +386,29 @@ def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layo
     """Replan with the bytes the worst-case padding reservation did not need. ``limit``: what the
     payloads and their padding may take together. A file of many tensors reserves up to 4 KiB
     of padding each (spec §4), which is 5% of a 2.4 MB model; the exact padding of a planned
-    layout is known, so the plan is redone with the room it left added to its budget, a trial
-    that overshoots giving its overshoot back (at most eight rounds; each is a greedy allocation,
-    no encoding). The best plan that fits is kept."""
+    layout is known, so the payload budget is bisected between the reserved one and ``limit``
+    for the largest whose plan's exact layout fits (each trial a greedy allocation, no encoding).
+    A bisection, not a walk up by the room left: the floor (:func:`ladder_floor`) moves with the
+    budget, so plans are not monotone in it, and a walk that overshoots and steps back can stop
+    short (a 2.02 MB target once came out at 1.955 MB). The best plan that fits is kept."""
     from ..format.spool import data_span
 
     def span(p: BudgetPlan) -> int:
         return data_span(p.picked[n].nbytes if s is None else s for n, s in layout)
 
     best = plan
-    budget = plan.target_bytes + limit - span(plan)
-    for _ in range(8):
-        if budget - best.target_bytes < TENSOR_SLACK:
+    lo, hi = plan.target_bytes, limit  # lo's plan fits (worst-case padding); the payloads alone cannot exceed limit
+    for _ in range(SLACK_ROUNDS):
+        if hi - lo < TENSOR_SLACK:
             break
-        trial = _plan(cands, plan.fixed_bytes, budget)
-        over = span(trial) - limit
-        if over > 0:
-            budget -= over
+        mid = (lo + hi) // 2
+        trial = _plan(cands, plan.fixed_bytes, mid)
+        if span(trial) > limit:
+            hi = mid
             continue
+        lo = mid
         if trial.loss < best.loss:
             best = trial
-        room = limit - span(trial)
-        if room < TENSOR_SLACK:
-            break
-        budget += room
     return best
 
 
