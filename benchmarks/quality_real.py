@@ -156,6 +156,7 @@ def main() -> None:
 
     import cmf
     from cmf import calib
+    from cmf.convert.errors import ConvertError
     from cmf.samples import fetch
     from cmf.tools.perplexity import encode_text, perplexity
     from cmf.tools.requant import requant
@@ -230,14 +231,17 @@ def main() -> None:
         mb, _, p = fig.partition(":")
         llama[ty.strip()] = (float(mb), float(p))
         rows.append(("llama.cpp (earlier run)", ty.strip(), float(mb), float(p)))
-    # pycmf at each llama.cpp size that lies between its q2tp and q8 files
+    # pycmf at each llama.cpp size (a size below the smallest file the budget can write is refused)
     cache: dict = {}
-    lo = min((r[2] for r in rows if r[0] == "pycmf" and r[1].startswith("q2tp")), default=0.0)
     for ty, (mb, _) in ({} if args.no_targets else llama).items():
-        if mb <= lo or ty.endswith(" imatrix") and ty.split()[0] in llama and abs(mb - llama[ty.split()[0]][0]) < 0.05:
+        if ty.endswith(" imatrix") and ty.split()[0] in llama and abs(mb - llama[ty.split()[0]][0]) < 0.05:
             continue  # an imatrix file of the plain one's size needs no second target file
         out = work / f"{stem}-target-{ty.replace(' ', '-')}.cmf"
-        requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file
+        try:
+            requant(f32, out, quant="q4tp", calib=cal, target_mb=mb, budget_cache=cache)  # the whole file
+        except ConvertError as e:
+            print(f"pycmf --target-mb ({ty} size): {e}", flush=True)
+            continue
         ours(out, f"--target-mb ({ty} size) --calib")
 
     f32_ppl = rows[0][3]

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 PENDING = 8  # distinct inputs held before the oldest is folded in (callers of one input are near)
 # The ridge on a Hessian: H + RIDGE·mean(diag H)·I is what the calibrated encoders round against
 # and the budget scores with. 0.3 (GPTQ fits the calibration text less closely) measured better
-# below ~4 bits per weight and worse above on both real models, so it is off by default
-# (docs/QUANT.md, "Robust Hessian").
+# for tight budgets and up to 0.7% worse for others on both real models, so it is off by default
+# (docs/QUANT.md, "The ridge").
 RIDGE = 0.0
 
 
