@@ -1,14 +1,15 @@
 """Target-size quantization (``--target-mb N`` / ``--bpw B``): per-matrix dtypes that fit a budget.
 
 Every matrix the quant's policy puts on a ladder dtype (q2tp, q4tp, the 4-bit family, vbit…) may
-instead take any rung of :data:`LADDER` — ``q2tp`` (2.2 bits), ``q4tp`` (4.2), ``vbit`` at a mean
-of 5 and 6 bits (5.5 and 6.5 with its row widths and scales), ``q8_row`` (8.1). Each
+instead take any rung of :data:`LADDER` — ``q2tp`` (2.2 bits), ``vbit`` at a mean of 3 bits (3.5),
+``q4tp`` (4.2), ``vbit`` at a mean of 5 and 6 bits (5.5 and 6.5 with its row widths and scales),
+``q8_row`` (8.1). Each
 candidate is encoded once to measure its predicted loss: the relative output error
 ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` under the matrix's calibration Hessian H (or H = I, the relative
 weight error, without ``--calib``). Starting from the cheapest candidate everywhere, the upgrade
 with the most loss removed per byte is taken while the file still fits (greedy knapsack); what
 the policy fixes (norms, precision-critical tensors; the token table unless the calibration
-measured its two 8-bit rungs, then an item of its own scored by their KL) is counted first. The choices
+measured its rungs, then an item of its own scored by their KL) is counted first. The choices
 are ordinary dtypes: every reader decodes the file.
 """
 
@@ -40,7 +41,7 @@ class Rung:
 # at 6.45, q8_row 7.4e-5 at 8.03 — the step to vbit 5 removes 4.2e-3 per added bit, the jump to
 # q8_row 2.0e-3 (docs/QUANT.md, "Target size"). vbit 3 (~3.5 bits) is the step between q2tp, which
 # a dense model does not survive, and q4tp: on the shared model at llama.cpp Q3_K_M's size it took
-# PPL from 24.03 to 23.55 (docs/QUANT.md, "A 3-bit rung").
+# PPL from 24.03 to 23.55 (docs/QUANT.md, "A 3-bit rung, a 6-bit table, and a robust Hessian").
 LADDER = (Rung("q2tp", "q2tp"), Rung("vbit3", "vbit", (("mean_bits", 3.0),)), Rung("q4tp", "q4tp"),
           Rung("vbit5", "vbit", (("mean_bits", 5.0),)), Rung("vbit6", "vbit", (("mean_bits", 6.0),)),
           Rung("q8_row", "q8_row"))

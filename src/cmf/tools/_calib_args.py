@@ -24,8 +24,8 @@ def add_size_arguments(p: argparse.ArgumentParser) -> None:
     """The target-size options (cmf.convert.budget, docs/QUANT.md)."""
     size = p.add_mutually_exclusive_group()
     size.add_argument("--target-mb", type=float, metavar="N",
-                      help="fit the file in N MB (10^6 bytes): each matrix gets a rung of the ladder (q2tp, q4tp, "
-                           "vbit 5 or 6 bits, q8_row), whichever mix loses least (predicted from --calib when given)")
+                      help="fit the file in N MB (10^6 bytes): each matrix gets a rung of the ladder (q2tp, vbit 3 bits, "
+                           "q4tp, vbit 5 or 6 bits, q8_row), whichever mix loses least (predicted from --calib when given)")
     size.add_argument("--bpw", type=float, metavar="B",
                       help="as --target-mb, as file bits per weight (file size × 8 / all tensor elements)")
     p.add_argument("--sensitivity-tokens", type=int, default=None, metavar="N",

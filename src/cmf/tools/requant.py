@@ -119,7 +119,7 @@ def requant(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, qua
     ``include``/``exclude`` are shell globs on tensor names. ``progress(n)`` is called with the
     bytes of each source tensor processed. ``calib``: a text ``src`` is run on first, for
     activation-aware encoding (cmf.calib; ``calib_progress(stage, n, total)`` reports progress, cmf.calib.Progress).
-    ``target_mb`` / ``bpw``: per-matrix dtypes along the ladder (q2tp, q4tp, vbit, q8_row) chosen so
+    ``target_mb`` / ``bpw``: per-matrix dtypes along the ladder (q2tp, vbit 3, q4tp, vbit 5/6, q8_row) chosen so
     the whole file fits (cmf.convert.budget; ``quant`` still decides what stays fixed;
     ``budget_cache``: a dict reused across calls on one model to measure each candidate once),
     weighing matrices by their sensitivity measured on ``sensitivity_tokens`` tokens of the
