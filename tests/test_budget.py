@@ -94,10 +94,18 @@ def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
     assert [c.name for c in floored["a"]] == ["q4tp", "q8_row"] and cands["a"][0].name == "q2tp"  # not mutated
     assert allocate(floored, 100, 1250).choice == {"a": "q4tp", "b": "q4tp"}
     items = [(n, (lambda: np.zeros((2, 32), np.float32)), {}) for n in cands]
-    cache = {n: list(c) for n, c in cands.items()}
-    assert plan_budget(items, 100, 1250, cache=cache).choice == {"a": "q4tp", "b": "q4tp"}
+    # a floor at q4tp is a tight budget: the plan takes every rung
+    assert plan_budget(items, 100, 1250, cache={n: list(c) for n, c in cands.items()}).choice == {
+        "a": "q2tp", "b": "q8_row"}
+    # a loose one (every matrix fits vbit 5) keeps the floor: a at vbit 5, not q4tp for b's q8_row
+    v5 = {"a": 0.05, "b": 0.2}
+    loose = {n: c[:2] + [Candidate("vbit", 600, v5[n], {"mean_bits": 5.0}, "vbit5")] + c[2:] for n, c in cands.items()}
+    assert ladder_floor(loose, 100, 1300) == rung["vbit5"]
+    assert plan_budget(items, 100, 1300, cache={n: list(c) for n, c in loose.items()}).choice == {
+        "a": "vbit5", "b": "vbit5"}
     monkeypatch.setattr(budget, "FLOOR", False)
-    assert plan_budget(items, 100, 1250, cache=cache).choice == {"a": "q2tp", "b": "q8_row"}
+    assert plan_budget(items, 100, 1300, cache={n: list(c) for n, c in loose.items()}).choice == {
+        "a": "q4tp", "b": "q8_row"}
     # an item off the ladder (the token table's rungs) is left as it is
     table = [Candidate("q8_row", 500, 0.01, label="q8_row"), Candidate("vbit", 530, 0.001, label="vbit8")]
     assert above_floor({"t": table}, 3)["t"] == table
@@ -231,15 +239,15 @@ def test_convert_target_size_refusals(tmp_path):
 def test_the_tables_rungs_below_8_bits_are_for_tight_budgets_only():
     """Above a q4tp floor the table stays at 8 bits (q8_row or vbit 8); a budget whose floor is at
     q4tp or lower may also take it to vbit 5 or 6 for its matrices (docs/QUANT.md)."""
-    from cmf.convert.budget import _table_rungs_for
+    from cmf.convert.budget import _table_at_8_bits, _tight
 
     table = [Candidate("vbit", 300, 0.05, {"mean_bits": 5.0}, "vbit5"),
              Candidate("vbit", 360, 0.02, {"mean_bits": 6.0}, "vbit6"),
              Candidate("q8_row", 480, 0.01, label="q8_row"), Candidate("vbit", 500, 0.001, {"mean_bits": 8.0}, "vbit8")]
     cands = {"a": ladder(0.5, 0.1, 0.0), "t": table}
-    assert [c.name for c in _table_rungs_for(cands, 0, 880)["t"]] == ["vbit5", "vbit6", "q8_row", "vbit8"]
-    loose = _table_rungs_for(cands, 0, 1300)
-    assert [c.name for c in loose["t"]] == ["q8_row", "vbit8"] and loose["a"] == cands["a"]
+    assert _tight(cands, 0, 880) and not _tight(cands, 0, 1300)
+    eight = _table_at_8_bits(cands)
+    assert [c.name for c in eight["t"]] == ["q8_row", "vbit8"] and eight["a"] == cands["a"]
     # the loose budget's plan: a at q8_row and the table at 8 bits, not the table at vbit 6 for the matrix
     items = [(n, (lambda: np.zeros((2, 32), np.float32)), {}) for n in cands]
     assert plan_budget(items, 0, 1300, cache={n: list(c) for n, c in cands.items()}).choice == {"a": "q8_row", "t": "vbit8"}

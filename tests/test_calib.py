@@ -251,11 +251,12 @@ def test_quant_report_eval_and_calib(base_f32, tmp_path):
     assert r.returncode == 2 and "--calib needs --eval" in r.stderr
 
 
-def test_the_encoders_round_against_a_ridged_hessian(monkeypatch):
-    """What the calibrated encoders and the budget use is H + RIDGE·mean(diag H)·I (RIDGE 0, the
-    bare Hessian, by default): bare GPTQ moves rounding error into inputs that were quiet in the
-    calibration text, and a text where they are not pays for it."""
+def test_a_ridged_hessian_trades_fit_for_other_text():
+    """H + ridge·mean(diag H)·I (stats.RIDGE, used by tight target-size budgets): bare GPTQ moves
+    rounding error into inputs that were quiet in the calibration text, and a text where they
+    are not pays for it. ``calib.encode(..., ridge=r)`` rounds against it."""
     from cmf.calib import stats as calib_stats
+    from cmf.convert.budget import candidates
 
     rng = np.random.default_rng(7)
     w = (rng.standard_normal((64, 128)) * 0.02).astype(np.float32)
@@ -264,17 +265,16 @@ def test_the_encoders_round_against_a_ridged_hessian(monkeypatch):
     x[:, quiet] *= 0.1  # inputs the calibration text hardly excites
     st = stats_of(x)
     h = st.mean_hessian()
-    assert np.array_equal(st.robust_hessian(), h)  # RIDGE 0
-    monkeypatch.setattr(calib_stats, "RIDGE", 0.3)
-    r = st.robust_hessian()
-    assert np.allclose(r - h, 0.3 * np.diag(h).mean() * np.eye(128))
+    assert np.array_equal(st.robust_hessian(0.0), h) and calib_stats.RIDGE > 0
+    r = st.robust_hessian(calib_stats.RIDGE)
+    assert np.allclose(r - h, calib_stats.RIDGE * np.diag(h).mean() * np.eye(128))
     other = rng.standard_normal((4096, 128)).astype(np.float32)  # another text: every input alike
-    from cmf.calib.encoding import element_scales
-    s = element_scales(q.encode(w, "q4tp"), "q4tp", w.shape)
-
-    def err(hess: np.ndarray, inputs: np.ndarray) -> float:
-        got = feedback.gptq_levels(w, s, hess, "q4") * s
-        return float(np.square(inputs @ (got - w).T.astype(np.float64)).sum())
-
-    assert err(h, x) < err(r, x)  # in sample the bare Hessian fits best ...
-    assert err(r, other) < 0.9 * err(h, other)  # ... and out of sample it costs (seeds 0-2: 0.82-0.86x)
+    bare, ridged = (calib.encode(w, "q4tp", st, ridge=k) for k in (0.0, calib_stats.RIDGE))
+    assert bare == calib.encode(w, "q4tp", st)  # no ridge unless asked
+    assert out_err(w, bare, "q4tp", x) < out_err(w, ridged, "q4tp", x)  # in sample the bare Hessian fits best ...
+    assert out_err(w, ridged, "q4tp", other) < 0.9 * out_err(w, bare, "q4tp", other)  # ... and elsewhere it costs
+    # a budget's ridged candidates carry the ridge, so the file is written with the bytes it scored
+    cs = candidates(w, st, {}, 1.0, ridge=calib_stats.RIDGE)
+    assert all(c.options.get("ridge") == calib_stats.RIDGE for c in cs)
+    assert cs[2].name == "q4tp" and cs[2].nbytes == len(ridged)
+    assert all("ridge" not in c.options for c in candidates(w, None, {}, None, ridge=calib_stats.RIDGE))

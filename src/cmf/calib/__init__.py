@@ -180,7 +180,7 @@ def collect(model: str | os.PathLike, text: str | os.PathLike, *, window: int = 
 
             def hessian(name: str):  # noqa: ANN202 - as the budget's candidates see it
                 st = collector.stats.get(name)
-                return st.robust_hessian() if st is not None else None
+                return st.mean_hessian() if st is not None else None
 
             names = sorted(collector.stats)
             probed = (None if progress is None else

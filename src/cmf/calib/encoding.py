@@ -50,6 +50,7 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
     """``cmf.quant.encode`` of ``array`` as ``dtype`` using ``stats`` (None: plain encode)."""
     dt = quant.resolve_dtype(dtype)
     w = np.asarray(array, np.float32)
+    ridge = float(options.pop("ridge", 0.0))  # GPTQ against H + ridge·mean(diag H)·I (stats.RIDGE)
     if stats is None or w.ndim != 2 or w.shape[1] != stats.cols or dt not in calibrated_dtypes():
         return quant.encode(w, dt, **options)
     imp = stats.importance()
@@ -63,7 +64,7 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
     plain = quant.encode(w, dt, **options)
     if stats.hessian is None or (dt == Dtype.Q4_BLOCK and w.shape[1] % GROUP):
         return plain
-    hess, perm, u = _factor(stats)
+    hess, perm, u = _factor(stats, ridge)
     levels = None
     if u is not None:
         scales = element_scales(plain, dt, w.shape)
@@ -80,21 +81,22 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
     return out if after < before else plain
 
 
-def _factor(stats: InputStats) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(Hessian as :meth:`InputStats.robust_hessian` gives it, act order, inverse Cholesky factor
-    of the permuted Hessian or None), computed once for all the matrices that share the input and
-    dropped after the last of them."""
+def _factor(stats: InputStats, ridge: float) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(Hessian with ``ridge`` (:meth:`InputStats.robust_hessian`), act order, inverse Cholesky
+    factor of the permuted Hessian or None), computed once for all the matrices that share the
+    input and dropped after the last of them."""
     with stats.lock:
-        if stats.factor is None:
-            hess = stats.robust_hessian()
+        cache = stats.factor if stats.factor is not None else {}
+        stats.factor = cache
+        if ridge not in cache:
+            hess = stats.robust_hessian(ridge)
             perm = feedback.order(hess)
-            stats.factor = (hess, perm, feedback.inverse_cholesky(hess[np.ix_(perm, perm)]))
-            stats.factor_uses = 0
-        out = stats.factor
-        stats.factor_uses += 1
-        if stats.factor_uses >= len(stats.members):
-            stats.factor = None
-    return out
+            cache[ridge] = [(hess, perm, feedback.inverse_cholesky(hess[np.ix_(perm, perm)])), 0]
+        entry = cache[ridge]
+        entry[1] += 1
+        if entry[1] >= len(stats.members):
+            del cache[ridge]
+    return entry[0]
 
 
 def _vbit_bounds(data: bytes, dtype: Dtype, rows: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -19,11 +19,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PENDING = 8  # distinct inputs held before the oldest is folded in (callers of one input are near)
-# The ridge on a Hessian: H + RIDGE·mean(diag H)·I is what the calibrated encoders round against
-# and the budget scores with. 0.3 (GPTQ fits the calibration text less closely) measured better
-# for tight budgets and up to 0.7% worse for others on both real models, so it is off by default
-# (docs/QUANT.md, "The ridge").
-RIDGE = 0.0
+# The ridge a tight target-size budget rounds and scores with: H + RIDGE·mean(diag H)·I. GPTQ on
+# the bare Hessian (1% damping) fits the calibration text's activations; where most matrices are
+# at 4 bits or below, 0.3 measured better on other text on both real models, and up to 0.7% worse
+# where they are not (docs/QUANT.md, "The ridge"): plain --calib and loose budgets keep the bare one.
+RIDGE = 0.3
 
 
 @dataclass(eq=False)
@@ -39,8 +39,7 @@ class InputStats:
     def __post_init__(self) -> None:
         self.sq = np.zeros(self.cols, np.float64)
         self.lock = threading.Lock()  # encoders on worker threads share the factor below
-        self.factor: tuple | None = None  # (hessian, act order, inverse Cholesky) while members remain
-        self.factor_uses = 0
+        self.factor: dict | None = None  # {ridge: [(hessian, act order, inverse Cholesky), uses]} while members remain
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -69,17 +68,16 @@ class InputStats:
             return None
         return self.hessian.astype(np.float64) / max(self.tokens, 1)
 
-    def robust_hessian(self) -> np.ndarray | None:
-        """:meth:`mean_hessian` plus :data:`RIDGE` times its mean diagonal on the diagonal: what the
-        calibrated encoders round against and the budget scores with (the bare Hessian while
-        RIDGE is 0). None when only the diagonal was kept."""
+    def robust_hessian(self, ridge: float) -> np.ndarray | None:
+        """:meth:`mean_hessian` plus ``ridge`` times its mean diagonal on the diagonal (the bare
+        Hessian for 0; see :data:`RIDGE`). None when only the diagonal was kept."""
         h = self.mean_hessian()
-        if h is None or not RIDGE:
+        if h is None or not ridge:
             return h
         d = np.diag(h)
         live = d > 0
         if live.any():
-            h[np.diag_indices_from(h)] += RIDGE * float(d[live].mean())
+            h[np.diag_indices_from(h)] += ridge * float(d[live].mean())
         return h
 
     def copy(self) -> "InputStats":

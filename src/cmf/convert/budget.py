@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..calib.sensitivity import TABLE_RUNGS, relative_loss
+from ..calib import stats as calib_stats
 from .errors import ConvertError
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,9 @@ LADDER = (Rung("q2tp", "q2tp"), Rung("vbit3", "vbit", (("mean_bits", 3.0),)), Ru
 # The token table's own rungs (vbit 5 and 6, q8_row, vbit 8): a budget may move it between them when
 # the calibration measured each one's KL (calib.sensitivity.measure_table), which is its loss.
 TABLE_LADDER = tuple(Rung(label, dtype, options) for label, dtype, options in TABLE_RUNGS)
-# the table's rungs offered only to a tight budget (see _table_rungs_for)
+# the table's rungs offered only to a tight budget (see _tight)
 TABLE_TIGHT_ONLY = frozenset(label for label, dtype, options in TABLE_RUNGS if dict(options).get("mean_bits", 8) < 8)
-# No matrix goes below the budget's uniform level (the highest rung all of them could take at once):
+# No matrix of a budget that is not tight (_tight) goes below its uniform level (the highest rung all of them could take at once):
 # the predicted loss of a rung two steps down comes from in-sample output error and was too
 # optimistic on other text (SmolLM2 with --calib: 112.1 MB 18.668 with the floor against 18.693
 # without, 105.5 MB 18.825 against 18.960; docs/QUANT.md "Target size").
@@ -156,24 +157,34 @@ def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int)
 
 
 def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
-               sensitivity: float | None = None) -> list[Candidate]:
+               sensitivity: float | None = None, ridge: float = 0.0) -> list[Candidate]:
     """Each ladder rung's payload size and predicted loss for one matrix (its encoder options:
     the rung's own, and the policy's ``encoder`` choice for the tile formats). ``sensitivity``:
     the matrix's measured KL per unit relative error (:mod:`cmf.calib.sensitivity`), which
-    scales every rung's loss; None leaves the relative error as it is."""
+    scales every rung's loss; None leaves the relative error as it is. ``ridge``: the calibrated
+    encoders round and the losses are scored against H + ridge·mean(diag H)·I (the sensitivity
+    rescaled by how the plain probe's error changes with it), and the candidates carry it as an
+    encoder option so the file is written with the same bytes."""
     from .. import calib, quant
+    from ..calib.sensitivity import PROBE_DTYPE
 
-    hess = stats.robust_hessian() if stats is not None else None
+    ridge = ridge if stats is not None and stats.hessian is not None else 0.0
+    hess = stats.robust_hessian(ridge) if stats is not None else None
+    if ridge and sensitivity is not None:
+        probe = quant.decode(quant.encode(w, PROBE_DTYPE), PROBE_DTYPE, w.shape)
+        ridged = relative_loss(w, probe, hess)
+        sensitivity *= relative_loss(w, probe, stats.mean_hessian()) / ridged if ridged > 0 else 1.0
     out = []
     for rung in LADDER:
-        opts = dict(rung.options)
+        opts = dict(rung.options, **({"ridge": ridge} if ridge else {}))
         if rung.dtype in ("q2tp", "q4tp", "q8_row") and "encoder" in options:
             opts["encoder"] = options["encoder"]
-        data = calib.encode(w, rung.dtype, stats, **opts)
+        data = calib.encode(w, rung.dtype, stats, **dict(opts))
         loss = relative_loss(w, quant.decode(data, rung.dtype, w.shape), hess)
         if sensitivity is not None:
             loss *= sensitivity
-        out.append(Candidate(rung.dtype, len(data), loss, dict(rung.options), rung.label))
+        out.append(Candidate(rung.dtype, len(data), loss, {k: v for k, v in opts.items() if k != "encoder"},
+                             rung.label))
     return out
 
 
@@ -338,23 +349,11 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
     in write order (name, size; None for a movable matrix) and ``reserved``: the alignment padding
     the caller set aside beyond ``budget`` (:func:`worst_padding`). With both, the plan is
     redone while the exact padding of its layout leaves room (:func:`_use_padding_slack`)."""
-    cands: dict[str, list[Candidate]] = {}
-    sensitivity_of = sensitivity_lookup(calibration)
-    tables = getattr(calibration, "table_loss", None) or {}
-    for name, load, opts in items:
-        if cache is not None and name in cache:
-            cands[name] = cache[name]
-            continue
-        w = load()
-        if name in tables:  # the token table: its own rungs, scored by their measured KL
-            cands[name] = table_candidates(w, tables[name])
-        else:
-            stats = calibration.get(name) if calibration is not None else None
-            cands[name] = candidates(w, stats, opts, sensitivity_of(name))
-        if cache is not None:
-            cache[name] = cands[name]
-        if progress is not None:
-            progress(1)
+    cands = _measure(items, calibration, progress, cache, 0.0)
+    ridge = calib_stats.RIDGE
+    if calibration is not None and ridge and _tight(cands, fixed_bytes, budget):
+        log.info("budget: tight (floor at q4tp or lower): the ladder re-encoded with the ridged Hessian")
+        cands = _measure(items, calibration, None, cache, ridge)
     plan = _plan(cands, fixed_bytes, budget)
     if layout is not None and reserved > 0:
         plan = _use_padding_slack(cands, plan, layout, budget + reserved)
@@ -362,24 +361,55 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
     return plan
 
 
+def _measure(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], calibration,  # noqa: ANN001
+             progress: Callable[[int], None] | None, cache: dict | None, ridge: float) -> dict[str, list[Candidate]]:
+    """Every item's candidates (the token table's by their measured KL), encoded with ``ridge``."""
+    cands: dict[str, list[Candidate]] = {}
+    sensitivity_of = sensitivity_lookup(calibration)
+    tables = getattr(calibration, "table_loss", None) or {}
+    for name, load, opts in items:
+        key = name if not ridge else f"{name}|ridge={ridge}"
+        if cache is not None and key in cache:
+            cands[name] = cache[key]
+            continue
+        w = load()
+        if name in tables:  # the token table: its own rungs, scored by their measured KL
+            cands[name] = table_candidates(w, tables[name])
+        else:
+            stats = calibration.get(name) if calibration is not None else None
+            cands[name] = candidates(w, stats, opts, sensitivity_of(name), ridge)
+        if cache is not None:
+            cache[key] = cands[name]
+        if progress is not None:
+            progress(1)
+    return cands
+
+
 def _plan(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
-    if FLOOR:
-        cands = _table_rungs_for(cands, fixed_bytes, budget)
-        cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
+    """A tight budget (:func:`_tight`) plans over every candidate; a loose one keeps the token
+    table at 8 bits and no matrix below the floor (:data:`FLOOR`)."""
+    if not _tight(cands, fixed_bytes, budget):
+        cands = _table_at_8_bits(cands)
+        if FLOOR:
+            cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
     return allocate(cands, fixed_bytes, budget)
 
 
-def _table_rungs_for(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> dict[str, list[Candidate]]:
-    """The candidates with the token table's rungs below 8 bits (:data:`TABLE_TIGHT_ONLY`) left out
-    unless the budget is tight: its floor, with the table at 8 bits, at q4tp or lower. Above that
-    floor the matrices' predicted gains (a q4tp probe's KL scaled to errors 4–15x smaller) overstate
-    what the bytes buy: SmolLM2 at 112.1 MB took the table to vbit 6 for matrix upgrades and
-    measured 18.862 against 18.646 with it at q8_row (docs/QUANT.md)."""
-    eight = {n: [c for c in cs if c.name not in TABLE_TIGHT_ONLY] or cs if _ladder_rungs(cs) is None else cs
-             for n, cs in cands.items()}
+def _tight(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> bool:
+    """Whether the budget's floor, with the token table at 8 bits, is q4tp or lower: most matrices
+    at 4 bits or below. There the table's vbit 5/6 rungs, the ridged Hessian (``stats.RIDGE``) and
+    no floor measured better; above it, worse: the matrices' predicted gains (a q4tp probe's KL
+    scaled to errors 4-15x smaller) overstate what bytes buy — SmolLM2 at 112.1 MB took the table
+    to vbit 6 for matrix upgrades, 18.862 against 18.646 with it at q8_row — and in-sample scores
+    of the low rungs are too optimistic without the ridge (docs/QUANT.md)."""
     q4tp = next(k for k, r in enumerate(LADDER) if r.label == "q4tp")
-    tight = ladder_floor(eight, fixed_bytes, budget) <= q4tp
-    return cands if tight else eight
+    return ladder_floor(_table_at_8_bits(cands), fixed_bytes, budget) <= q4tp
+
+
+def _table_at_8_bits(cands: dict[str, list[Candidate]]) -> dict[str, list[Candidate]]:
+    """The candidates without the token table's rungs below 8 bits (:data:`TABLE_TIGHT_ONLY`)."""
+    return {n: [c for c in cs if c.name not in TABLE_TIGHT_ONLY] or cs if _ladder_rungs(cs) is None else cs
+            for n, cs in cands.items()}
 
 
 def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layout: list[tuple[str, int | None]],
@@ -391,7 +421,10 @@ def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layo
     for the largest whose plan's exact layout fits (each trial a greedy allocation, no encoding).
     A bisection, not a walk up by the room left: the floor (:func:`ladder_floor`) moves with the
     budget, so plans are not monotone in it, and a walk that overshoots and steps back can stop
-    short (a 2.02 MB target once came out at 1.955 MB). The best plan that fits is kept."""
+    short (a 2.02 MB target once came out at 1.955 MB). The plan of the largest budget that fits
+    is kept, not the one of least predicted loss: a higher floor raises the predicted loss (it
+    forbids rungs the in-sample scores like) and is there because those scores were too
+    optimistic on other text."""
     from ..format.spool import data_span
 
     def span(p: BudgetPlan) -> int:
@@ -407,9 +440,7 @@ def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layo
         if span(trial) > limit:
             hi = mid
             continue
-        lo = mid
-        if trial.loss < best.loss:
-            best = trial
+        lo, best = mid, trial  # the largest budget that fits: its floor may be higher than a smaller one's
     return best
 
 
