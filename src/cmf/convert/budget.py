@@ -9,8 +9,10 @@ candidate is encoded once to measure its predicted loss: the relative output err
 weight error, without ``--calib``). Starting from the cheapest candidate everywhere, the upgrade
 with the most loss removed per byte is taken while the file still fits (greedy knapsack); what
 the policy fixes (norms, precision-critical tensors; the token table unless the calibration
-measured its rungs, then an item of its own scored by their KL) is counted first. The choices
-are ordinary dtypes: every reader decodes the file.
+measured its rungs, then an item of its own scored by their KL) is counted first. A tight
+budget (its floor at q4tp or lower) re-encodes the ladder against a ridged Hessian, may take the
+table below 8 bits and has no floor (:func:`_tight`). The choices are ordinary dtypes: every
+reader decodes the file.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..calib.sensitivity import TABLE_RUNGS, relative_loss
 from ..calib import stats as calib_stats
+from .budget_padding import use_padding_slack, worst_padding  # noqa: F401 - worst_padding: callers import it here
 from .errors import ConvertError
 
 log = logging.getLogger(__name__)
@@ -56,10 +59,6 @@ TABLE_TIGHT_ONLY = frozenset(label for label, dtype, options in TABLE_RUNGS if d
 # optimistic on other text (SmolLM2 with --calib: 112.1 MB 18.668 with the floor against 18.693
 # without, 105.5 MB 18.825 against 18.960; docs/QUANT.md "Target size").
 FLOOR = True
-# room below which a plan is not redone for the padding it did not need (one small payload's alignment)
-TENSOR_SLACK = 64
-# bisection rounds over the padding the worst case reserved (4 KiB per tensor): 12 halve it to < 1 KiB
-SLACK_ROUNDS = 12
 # policy dtypes a budget may move along the ladder (the others stay as the policy says)
 MOVABLE = frozenset({"q4_block", "q4_tiled", "q4tp", "q2tp", "vbit", "vbit_ro", "q8_row"})
 
@@ -133,14 +132,6 @@ def table_candidates(w: np.ndarray, losses: dict[str, float]) -> list[Candidate]
         if c.loss < out[-1].loss and c.nbytes > out[-1].nbytes:
             out.append(c)
     return out
-
-
-def worst_padding(payload_bytes) -> int:  # noqa: ANN001 - an iterable of payload sizes
-    """The most alignment padding payloads of these sizes can take (spec §4: 4096 for 16 KiB and
-    more, 64 below)."""
-    from ..format.constants import LARGE_TENSOR_ALIGN, TENSOR_ALIGN
-
-    return sum(LARGE_TENSOR_ALIGN - 1 if n >= 16384 else TENSOR_ALIGN - 1 for n in payload_bytes)
 
 
 def target_bytes(target_mb: float | None, bpw: float | None, total_weights: int) -> int:
@@ -348,7 +339,7 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
     one model and calibration measure each candidate once). ``layout``: every payload of the file
     in write order (name, size; None for a movable matrix) and ``reserved``: the alignment padding
     the caller set aside beyond ``budget`` (:func:`worst_padding`). With both, the plan is
-    redone while the exact padding of its layout leaves room (:func:`_use_padding_slack`)."""
+    redone while the exact padding of its layout leaves room (:func:`.budget_padding.use_padding_slack`)."""
     cands = _measure(items, calibration, progress, cache, 0.0)
     ridge = calib_stats.RIDGE
     if calibration is not None and ridge and _tight(cands, fixed_bytes, budget):
@@ -356,7 +347,7 @@ def plan_budget(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]
         cands = _measure(items, calibration, None, cache, ridge)
     plan = _plan(cands, fixed_bytes, budget)
     if layout is not None and reserved > 0:
-        plan = _use_padding_slack(cands, plan, layout, budget + reserved)
+        plan = use_padding_slack(plan, layout, budget + reserved, lambda b: _plan(cands, fixed_bytes, b))
     log.info("budget: %s", plan.summary())
     return plan
 
@@ -410,38 +401,6 @@ def _table_at_8_bits(cands: dict[str, list[Candidate]]) -> dict[str, list[Candid
     """The candidates without the token table's rungs below 8 bits (:data:`TABLE_TIGHT_ONLY`)."""
     return {n: [c for c in cs if c.name not in TABLE_TIGHT_ONLY] or cs if _ladder_rungs(cs) is None else cs
             for n, cs in cands.items()}
-
-
-def _use_padding_slack(cands: dict[str, list[Candidate]], plan: BudgetPlan, layout: list[tuple[str, int | None]],
-                       limit: int) -> BudgetPlan:
-    """Replan with the bytes the worst-case padding reservation did not need. ``limit``: what the
-    payloads and their padding may take together. A file of many tensors reserves up to 4 KiB
-    of padding each (spec §4), which is 5% of a 2.4 MB model; the exact padding of a planned
-    layout is known, so the payload budget is bisected between the reserved one and ``limit``
-    for the largest whose plan's exact layout fits (each trial a greedy allocation, no encoding).
-    A bisection, not a walk up by the room left: the floor (:func:`ladder_floor`) moves with the
-    budget, so plans are not monotone in it, and a walk that overshoots and steps back can stop
-    short (a 2.02 MB target once came out at 1.955 MB). The plan of the largest budget that fits
-    is kept, not the one of least predicted loss: a higher floor raises the predicted loss (it
-    forbids rungs the in-sample scores like) and is there because those scores were too
-    optimistic on other text."""
-    from ..format.spool import data_span
-
-    def span(p: BudgetPlan) -> int:
-        return data_span(p.picked[n].nbytes if s is None else s for n, s in layout)
-
-    best = plan
-    lo, hi = plan.target_bytes, limit  # lo's plan fits (worst-case padding); the payloads alone cannot exceed limit
-    for _ in range(SLACK_ROUNDS):
-        if hi - lo < TENSOR_SLACK:
-            break
-        mid = (lo + hi) // 2
-        trial = _plan(cands, plan.fixed_bytes, mid)
-        if span(trial) > limit:
-            hi = mid
-            continue
-        lo, best = mid, trial  # the largest budget that fits: its floor may be higher than a smaller one's
-    return best
 
 
 def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibration=None,  # noqa: ANN001
