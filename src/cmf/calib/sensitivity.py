@@ -79,6 +79,14 @@ def sample(windows: Sequence[Sequence[int]], tokens: int) -> list[list[int]]:
     return out
 
 
+def probe_round_trip(w: np.ndarray, probe: str = PROBE_DTYPE) -> np.ndarray:
+    """``w`` through the probe dtype's plain encoder and back: the perturbation a sensitivity is
+    measured with (convert.budget rescales by its error under another Hessian)."""
+    from .. import quant
+
+    return quant.decode(quant.encode(w, probe), probe, w.shape)
+
+
 def measure(model, windows: Sequence[Sequence[int]], names: Sequence[str], hessian: Callable[[str], np.ndarray | None],
             *, tokens: int = DEFAULT_SAMPLE_TOKENS, probe: str = PROBE_DTYPE,
             progress: Callable[[int], None] | None = None) -> dict[str, float]:  # noqa: ANN001 - a runtime Model
@@ -107,7 +115,7 @@ def measure(model, windows: Sequence[Sequence[int]], names: Sequence[str], hessi
             if layer is None:
                 continue
             dense = plain(name).dense()
-            probed = quant.decode(quant.encode(dense, probe), probe, dense.shape)
+            probed = probe_round_trip(dense, probe)
             rel = relative_loss(dense, probed, hessian(name))
             swapped = DenseLinear(probed)
             w.linear = lambda n, _name=name, _op=swapped: _op if n == _name else plain(n)

@@ -26,6 +26,18 @@ PENDING = 8  # distinct inputs held before the oldest is folded in (callers of o
 RIDGE = 0.3
 
 
+def with_ridge(h: np.ndarray, ridge: float) -> np.ndarray:
+    """``h + ridge·mean(live diag h)·I`` as a new array (``h`` itself for a ridge of 0)."""
+    if not ridge:
+        return h
+    d = np.diag(h)
+    live = d > 0
+    out = np.array(h, np.float64)
+    if live.any():
+        out[np.diag_indices_from(out)] += ridge * float(d[live].mean())
+    return out
+
+
 @dataclass(eq=False)
 class InputStats:
     """Σ x² (and Σ x xᵀ when kept) over ``tokens`` calibration tokens of one input."""
@@ -69,16 +81,10 @@ class InputStats:
         return self.hessian.astype(np.float64) / max(self.tokens, 1)
 
     def robust_hessian(self, ridge: float) -> np.ndarray | None:
-        """:meth:`mean_hessian` plus ``ridge`` times its mean diagonal on the diagonal (the bare
-        Hessian for 0; see :data:`RIDGE`). None when only the diagonal was kept."""
+        """:meth:`mean_hessian` with :func:`with_ridge` (the bare Hessian for 0; see :data:`RIDGE`).
+        None when only the diagonal was kept."""
         h = self.mean_hessian()
-        if h is None or not ridge:
-            return h
-        d = np.diag(h)
-        live = d > 0
-        if live.any():
-            h[np.diag_indices_from(h)] += ridge * float(d[live].mean())
-        return h
+        return h if h is None else with_ridge(h, ridge)
 
     def copy(self) -> "InputStats":
         out = InputStats(self.cols, None if self.hessian is None else self.hessian.copy())

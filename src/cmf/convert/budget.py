@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..calib.sensitivity import TABLE_RUNGS, relative_loss
 from ..calib import stats as calib_stats
-from .budget_padding import use_padding_slack, worst_padding  # noqa: F401 - worst_padding: callers import it here
+from ..calib.sensitivity import TABLE_RUNGS, relative_loss
+from .budget_padding import use_padding_slack, worst_padding
 from .errors import ConvertError
 
 log = logging.getLogger(__name__)
@@ -157,25 +157,26 @@ def candidates(w: np.ndarray, stats, options: dict[str, Any],  # noqa: ANN001
     rescaled by how the plain probe's error changes with it), and the candidates carry it as an
     encoder option so the file is written with the same bytes."""
     from .. import calib, quant
-    from ..calib.sensitivity import PROBE_DTYPE
+    from ..calib.sensitivity import probe_round_trip
 
-    ridge = ridge if stats is not None and stats.hessian is not None else 0.0
-    hess = stats.robust_hessian(ridge) if stats is not None else None
+    bare = stats.mean_hessian() if stats is not None else None
+    ridge = ridge if bare is not None else 0.0
+    hess = calib_stats.with_ridge(bare, ridge) if bare is not None else None
     if ridge and sensitivity is not None:
-        probe = quant.decode(quant.encode(w, PROBE_DTYPE), PROBE_DTYPE, w.shape)
+        probe = probe_round_trip(w)
         ridged = relative_loss(w, probe, hess)
-        sensitivity *= relative_loss(w, probe, stats.mean_hessian()) / ridged if ridged > 0 else 1.0
+        sensitivity *= relative_loss(w, probe, bare) / ridged if ridged > 0 else 1.0
     out = []
     for rung in LADDER:
-        opts = dict(rung.options, **({"ridge": ridge} if ridge else {}))
+        kept = dict(rung.options, **({"ridge": ridge} if ridge else {}))  # what the file is written with
+        opts = dict(kept)
         if rung.dtype in ("q2tp", "q4tp", "q8_row") and "encoder" in options:
             opts["encoder"] = options["encoder"]
-        data = calib.encode(w, rung.dtype, stats, **dict(opts))
+        data = calib.encode(w, rung.dtype, stats, **opts)
         loss = relative_loss(w, quant.decode(data, rung.dtype, w.shape), hess)
         if sensitivity is not None:
             loss *= sensitivity
-        out.append(Candidate(rung.dtype, len(data), loss, {k: v for k, v in opts.items() if k != "encoder"},
-                             rung.label))
+        out.append(Candidate(rung.dtype, len(data), loss, kept, rung.label))
     return out
 
 
@@ -379,10 +380,10 @@ def _measure(items: list[tuple[str, Callable[[], np.ndarray], dict[str, Any]]], 
 def _plan(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> BudgetPlan:
     """A tight budget (:func:`_tight`) plans over every candidate; a loose one keeps the token
     table at 8 bits and no matrix below the floor (:data:`FLOOR`)."""
-    if not _tight(cands, fixed_bytes, budget):
-        cands = _table_at_8_bits(cands)
-        if FLOOR:
-            cands = above_floor(cands, ladder_floor(cands, fixed_bytes, budget))
+    eight = _table_at_8_bits(cands)
+    floor = ladder_floor(eight, fixed_bytes, budget)
+    if floor > _rung("q4tp"):  # loose (see _tight)
+        cands = above_floor(eight, floor) if FLOOR else eight
     return allocate(cands, fixed_bytes, budget)
 
 
@@ -393,8 +394,12 @@ def _tight(cands: dict[str, list[Candidate]], fixed_bytes: int, budget: int) -> 
     scaled to errors 4-15x smaller) overstate what bytes buy — SmolLM2 at 112.1 MB took the table
     to vbit 6 for matrix upgrades, 18.862 against 18.646 with it at q8_row — and in-sample scores
     of the low rungs are too optimistic without the ridge (docs/QUANT.md)."""
-    q4tp = next(k for k, r in enumerate(LADDER) if r.label == "q4tp")
-    return ladder_floor(_table_at_8_bits(cands), fixed_bytes, budget) <= q4tp
+    return ladder_floor(_table_at_8_bits(cands), fixed_bytes, budget) <= _rung("q4tp")
+
+
+def _rung(label: str) -> int:
+    """The index of rung ``label`` in :data:`LADDER`."""
+    return next(k for k, r in enumerate(LADDER) if r.label == label)
 
 
 def _table_at_8_bits(cands: dict[str, list[Candidate]]) -> dict[str, list[Candidate]]:
