@@ -100,11 +100,15 @@ def test_bench_compare_runs_peers_in_fresh_processes(model_path, capsys):
         assert "llama_cpp" in res["skipped"]["llama.cpp"]
 
 
-def test_bench_compare_int8_engine_only_for_4bit(model_path, tmp_path):
+def test_bench_compare_int8_engine_only_for_4bit_and_q8(model_path, tmp_path):
     from cmf.tools.bench_compare import prepare_peers
 
     peers = prepare_peers(Path(model_path), ["pycmf-int8"], tmp_path)
-    assert "4-bit files only" in peers["pycmf-int8"]  # a q8 file: skipped, with the reason
+    assert peers["pycmf-int8"] == (model_path, "q8_row, int8 activations")
+    f16 = tmp_path / "f16.cmf"
+    convert(H.fixture("qwen3"), f16, quant="f16")
+    peers = prepare_peers(f16, ["pycmf-int8"], tmp_path)
+    assert "4-bit and q8 files only" in peers["pycmf-int8"]  # an f16 file: skipped, with the reason
     q4 = tmp_path / "q4tp.cmf"
     convert(H.fixture("qwen3"), q4, quant="q4tp")
     peers = prepare_peers(q4, ["pycmf-int8"], tmp_path)

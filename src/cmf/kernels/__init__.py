@@ -22,8 +22,9 @@ _FUSED = None
 def prepare(tensor, *, reference: bool = False, int8_activations: bool = False) -> LinearOp:
     """The fastest available LinearOp for a stored 2-D weight (``reference=True``: decode + numpy).
 
-    ``int8_activations``: the 4-bit family's fused products quantize their input to int8 per
-    group of 32 (``tiled.TiledLinear.use_int8_activations``); other dtypes ignore it."""
+    ``int8_activations``: the 4-bit family's and q8's products quantize their input to int8 per
+    group of 32 (``tiled.TiledLinear.use_int8_activations``, ``q8.Q8Linear.use_int8_activations``);
+    other dtypes ignore it."""
     global _FUSED
     if not reference:
         if _FUSED is None:

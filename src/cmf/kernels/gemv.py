@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import _jit
+from . import _jit, q8i
 from ._jit import PARALLEL, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, threads
 from ._jit import chunk as _chunk
 from .q4 import R as TILE_R
@@ -198,7 +198,8 @@ def _pad_arrays(entries: tuple) -> tuple:
 # group kernel name (FusedLinear.group_family before any ":") -> (parallel, serial) drivers; "tiled"
 # has its own call (x prepared once for the group, see MatvecGroup.bind)
 GROUP_KERNELS = {"rows": (rows_group, rows_group_serial), "vbit": (vbit_group, vbit_group_serial),
-                 "q1": (q1_group, q1_group_serial), "tiled": (tiled_group, tiled_group_serial)}
+                 "q1": (q1_group, q1_group_serial), "tiled": (tiled_group, tiled_group_serial),
+                 "q8i": (q8i.group_par, q8i.group_serial)}
 
 
 class MatvecGroup:
@@ -250,6 +251,9 @@ class MatvecGroup:
             # the arguments around x, built once (the call then only adds x, out and nt)
             self._before = (*tup, self._tiles)
             self._after = (self._xp, self._xs, self._q8, self._xv, self._xd, o0.zero)
+        elif self.kernel == "q8i":  # q8 with int8 activations: x quantized once for the group
+            self.int8_group = q8i.Int8Group([o.int8_mats() for o in self.ops], self.in_features, self.act, self.width)
+            self._bufs = q8i.buffers(1, self.int8_group.gpr)
         elif self.kernel == "vbit":  # (data, widths, starts, soff)
             self._tup = (*(_pad_arrays(a) for a in arrays[:3]), _pad(arrays[3], np.int64(0)))
         elif self.kernel == "q1":  # (kind, tiles, ptr, ent)
@@ -282,6 +286,10 @@ class MatvecGroup:
             if nt > 1:
                 return tiled_group, (*self._before, x, *self._after, out, offs, nt, act, width)
             return tiled_group_serial, (*self._before, x, *self._after, out, offs, act, width)
+        if kernel == "q8i":
+            if x.shape[1] % q8i.GROUP or not x.flags.c_contiguous or x.shape[0] != 1:
+                return None
+            return self.int8_group.bind(x, out, nt, self._bufs)
         par, serial = GROUP_KERNELS[kernel]
         if nt > 1:
             return par, (*self._tup, x, out, offs, self.row_index, nt, act, width)

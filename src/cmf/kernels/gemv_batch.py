@@ -85,7 +85,7 @@ class BatchGroup:
 
     def __init__(self, ops: list, act: str | None = None) -> None:
         self.group = MatvecGroup(ops, act)
-        self.direct = self.group.kernel == "rows"
+        self.direct = self.group.kernel in ("rows", "q8i")
         self.out_features = self.group.out_features
         self.width = self.group.width
         self.paired: bool | None = None  # whether the paired kernel matches here (checked on first use)
@@ -106,6 +106,8 @@ class BatchGroup:
             if g.act != NO_ACT:
                 _act_rows(Y, g.width, g.act, 0, g.width)
             return Y
+        if g.kernel == "q8i":  # int8 activations: one arithmetic per (row, vector) for any batch
+            return g.int8_group.run(X, Y, nt)
         if nt > 1 and g.work < _jit.PARALLEL_MIN_BYTES:  # MatvecGroup.bind's rule: the same row chunks
             nt = 1
         if X.shape[0] >= PAIRED_MIN_T and self.paired is None:

@@ -9,18 +9,20 @@ time (4 bytes per row).
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 from numba import prange
 
 from ..format.constants import Dtype
 from ._base import FusedLinear
-from . import gemm
+from . import gemm, q8i
 from ._jit import PARALLEL, SERIAL, int8_f32, threads
 from ._jit import chunk as _chunk
 from .blas import TRANS, sgemm
 from .registry import family
-from .rows import ALL_ROWS, row_dots_all, row_dots_par
+from .rows import ALL_ROWS, fold_cols, row_dots_all, row_dots_par
 
 
 @numba.njit(**SERIAL)
@@ -53,7 +55,13 @@ def q8_dequant_par(q, s, col, rows, out, nt):  # pragma: no cover - compiled
 class Q8Linear(FusedLinear):
     """``q8_row`` / ``q8_2f`` (the column field multiplies x once per call)."""
 
-    group_family = "rows:q8"
+    @property
+    def group_family(self) -> str | None:
+        """Exact: the row-dot kernels'. Int8 activations: ``q8i`` for q8_row (a q8_2f matrix folds its
+        own column field into x, so it runs its own product)."""
+        if not self.int8:
+            return "rows:q8"
+        return None if self.col.size else "q8i"
 
     def _gemm(self, a: int, w64: bool, X: np.ndarray, Y: np.ndarray, nt: int) -> None:
         """Y = X @ W.T for a block of tokens through the per-thread sgemm (kernels/gemm.py)."""
@@ -76,11 +84,54 @@ class Q8Linear(FusedLinear):
         else:
             self.col = np.zeros(0, np.float32)
         self.all_rows = np.arange(rows, dtype=np.int64)
+        self._blocks: np.ndarray | None = None  # q8i's block layout, packed on first int8 use
+        self._lock = threading.Lock()
+        self.use_int8_activations(False)
+
+    # -- int8 activations (kernels/q8i.py) ----------------------------------------------------------
+    def use_int8_activations(self, on: bool = True) -> bool:
+        """Products with activations quantized to int8 per group of 32 (:mod:`.q8i`): integer
+        dot products over a repacked copy of the rows (as large as the payload, made on first
+        use), every batch size through the same per-(row, vector) arithmetic. Results within
+        ~1e-2 relative of the exact product. Returns the new setting."""
+        self.int8 = bool(on)
+        # prefill blocks too: the integer kernel against dequantize + sgemm (benchmarks/quant.py)
+        self.fused_max_t = self.INT8_MAX_T if self.int8 else Q8Linear.fused_max_t
+        self._int8_op: q8i.Int8Group | None = None
+        return self.int8
+
+    INT8_MAX_T = 1 << 62
+
+    def int8_mats(self) -> tuple:
+        """(packed blocks, f32 row scales, rows): a matrix of a :class:`~.q8i.Int8Group`."""
+        if self._blocks is None:
+            with self._lock:
+                if self._blocks is None:
+                    self._blocks = q8i.pack(self.q, threads())
+        return self._blocks, self.s, self.out_features
+
+    def _int8_x(self, X: np.ndarray) -> np.ndarray:
+        return q8i.whole_groups(fold_cols(np.ascontiguousarray(X, dtype=np.float32), self.col),
+                                -(-self.in_features // q8i.GROUP))
 
     def _matmul(self, X, Y, par):
+        if self.int8:
+            if self._int8_op is None:
+                self._int8_op = q8i.Int8Group([self.int8_mats()], self.in_features)
+            fn, args = self._int8_op.bind(self._int8_x(X), Y, threads() if par else 1)
+            fn(*args)
+            return
         self._matmul_rows(ALL_ROWS, X, Y, par)
 
     def _matmul_rows(self, rows, X, Y, par):
+        if self.int8 and rows.size:
+            blocks, slot = np.unique(rows // q8i.ROWS, return_inverse=True)
+            Xq = self._int8_x(X)
+            Yb = np.empty((X.shape[0], blocks.size * q8i.ROWS), np.float32)
+            xq, xc, d = q8i.buffers(Xq.shape[0], Xq.shape[1] // q8i.GROUP)
+            q8i.listed_blocks(self.int8_mats()[0], self.s, Xq, xq, xq.view(np.int32), xc, d, blocks, Yb)
+            Y[...] = Yb[:, slot * q8i.ROWS + rows % q8i.ROWS]
+            return
         if par:
             row_dots_par(self.q, 0, self.s, self.col, X, Y, rows, threads())
         else:

@@ -308,7 +308,8 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
     ``int8_activations``: decode the 4-bit family (q4_block, q4_tiled, q4tp, q2tp) and q1t with
     input vectors quantized to one int8 piece per group of 32, as llama.cpp does for Q4_0,
     instead of exact mode's three: ~1.1× decode and ~1.6× prefill on CPUs with VNNI, at ~1e-2
-    relative error per product (without VNNI prefill stays exact).
+    relative error per product (without VNNI prefill stays exact). q8_row / q8_2f matrices then
+    run integer products too (``kernels/q8i.py``: ~2× batched decode and prefill).
     Unset, it comes from ``CMF_INT8_ACT`` (1/true/on); off by default, so outputs match the
     f32-decoded reference.
 

@@ -30,9 +30,10 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
     p.add_argument("--verify", action="store_true",
                    help="check every hash of the file before running it (spec §1.2); a mismatch refuses to run")
     p.add_argument("--int8-act", action="store_true", default=None,
-                   help="4-bit and q1t files: int8 activations in decode and prefill (one int8 piece "
-                        "per value instead of exact mode's three: with VNNI decode ~1.1×, prefill ~1.6×; "
-                        "~1e-2 relative error per product, as llama.cpp's Q4_0; default off, or "
+                   help="4-bit, q1t and q8 files: int8 activations in decode and prefill (4-bit: one "
+                        "int8 piece per value instead of exact mode's three, with VNNI decode ~1.1×, "
+                        "prefill ~1.6×; q8: integer products, batched decode and prefill ~2×; ~1e-2 "
+                        "relative error per product, as llama.cpp's Q4_0 / Q8_0; default off, or "
                         "CMF_INT8_ACT=1)")
     if sampling:
         p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")

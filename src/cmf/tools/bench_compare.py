@@ -26,7 +26,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ENGINES = ("pycmf", "pycmf-int8", "hf", "llama.cpp")
-FOUR_BIT = {"q4_block", "q4_tiled", "q4tp", "q2tp"}  # the dtypes int8 activations apply to
+FOUR_BIT = {"q4_block", "q4_tiled", "q4tp", "q2tp"}
+INT8_ACT = FOUR_BIT | {"q8_row", "q8_2f"}  # the dtypes int8 activations apply to
 PROMPT_FOR_DECODE = 32
 
 
@@ -171,8 +172,9 @@ def prepare_peers(model: Path, engines: list[str], workdir: Path) -> dict[str, t
     label = "/".join(sorted(dtypes))
     out["pycmf"] = (str(model), label)
     if "pycmf-int8" in engines:
-        out["pycmf-int8"] = ((str(model), f"{label}, int8 activations") if dtypes & FOUR_BIT else
-                             "int8 activations apply to 4-bit files only (q4_block, q4_tiled, q4tp, q2tp)")
+        out["pycmf-int8"] = ((str(model), f"{label}, int8 activations") if dtypes & INT8_ACT else
+                             "int8 activations apply to 4-bit and q8 files only (q4_block, q4_tiled, q4tp, q2tp, "
+                             "q8_row, q8_2f)")
     if "hf" in engines:
         try:
             import torch  # noqa: F401
