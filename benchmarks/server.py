@@ -3,7 +3,7 @@ second chat turn's TTFT against the first's on a long history (the prefix cache)
 
     python benchmarks/server.py [--model FILE.cmf | --models ../shared/models --quant q8]
                                 [--clients 1,4,16,32] [--requests 2] [--max-tokens 128] [--threads N]
-                                [--parallel 32] [--history 1000] [--runs 1] [--write]
+                                [--parallel 32] [--history 1000] [--runs 1] [--int8-act] [--write]
 
 ``--model`` serves that file (the issue's: ``cmf import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o
 smol-q8.cmf``); without it ../shared/models/base (a 3.67M-parameter Qwen3) is converted at
@@ -19,6 +19,8 @@ different texts: the second turn's prompt shares the first's, which the prefix c
 When ``llama_cpp.server`` (llama-cpp-python with its server extra, e.g. ``.venv-bench``) is
 importable, the same load runs against it on a Q8_0 GGUF exported from the same file (or
 ``--gguf``). ``--runs N`` repeats every level N times and reports medians (the machine is shared).
+``--int8-act`` serves the same file a second time with ``cmf serve --int8-act`` (int8 activations:
+integer products for q8 and the 4-bit family) and reports it beside the exact server.
 ``--write`` appends a dated section to benchmarks/RESULTS.md.
 """
 
@@ -228,12 +230,12 @@ def run_turns(host: str, port: int, tokenizer, history: int, max_tokens: int, tr
             "cached": statistics.median(cached)}
 
 
-def reference(model_path: Path, n_gen: int, threads: int | None) -> float:
+def reference(model_path: Path, n_gen: int, threads: int | None, int8: bool = False) -> float:
     """``cmf bench``'s decode rate (tg``n_gen``, median of 5) on the same file."""
     import cmf
     from cmf.tools.bench import bench
 
-    with cmf.load(model_path, threads=threads) as m:
+    with cmf.load(model_path, threads=threads, int8_activations=int8) as m:
         res = bench(m, 0, n_gen, 5)
     return statistics.median(res[0]["samples"])
 
@@ -265,6 +267,8 @@ def main() -> None:
     ap.add_argument("--vllm", default=None, metavar="PYTHON",
                     help="also vLLM's OpenAI server run by this interpreter (e.g. .venv-vllm/bin/python) on the "
                          "exported Hugging Face folder, bf16")
+    ap.add_argument("--int8-act", action="store_true",
+                    help="also serve with `cmf serve --int8-act` (int8 activations: q8 and 4-bit files) in the same run")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
     texts = prompts(Path(args.models))
@@ -296,6 +300,16 @@ def main() -> None:
             turns = run_turns(host, port, tokenizer, args.history, 32) if args.history else None
         finally:
             stop(proc)
+        int8_levels: list[dict] = []
+        ref8 = 0.0
+        if args.int8_act:
+            ref8 = reference(model, args.max_tokens, args.threads, int8=True)
+            print(f"cmf bench --int8-act tg{args.max_tokens}: {ref8:.1f} tokens/s", file=sys.stderr, flush=True)
+            proc, host, port = start_server(model, extra + ["--int8-act"])
+            try:
+                int8_levels = run_levels(host, port, levels, args, texts)
+            finally:
+                stop(proc)
         llama_levels: list[dict] = []
         llama_turns = None
         llama = "not run (--no-llama)"
@@ -357,6 +371,10 @@ def main() -> None:
             f"`cmf bench` tg{args.max_tokens} on the same file, this process, before the server: "
             f"**{ref:.1f} tokens/s**.\n\n#### cmf serve --parallel {args.parallel}\n\n"
             + table(headers, rows_of(cmf_levels, ref)) + "\n")
+    if int8_levels:
+        text += (f"\n#### cmf serve --parallel {args.parallel} --int8-act\n\nInt8 activations (integer products; "
+                 f"`cmf bench --int8-act` tg{args.max_tokens}: **{ref8:.1f} tokens/s**).\n\n"
+                 + table(headers, rows_of(int8_levels, ref8)) + "\n")
     if turns:
         text += (f"\nSecond chat turn on a ~{args.history}-token history (median of 3 conversations): first turn "
                  f"TTFT {turns['first'] * 1e3:.0f} ms, second turn {turns['second'] * 1e3:.0f} ms "
@@ -374,6 +392,11 @@ def main() -> None:
         text += "".join(f"\n- {r['clients']} streams: cmf serve {agg.get(r['clients'], 0):.1f} t/s = "
                         f"{agg.get(r['clients'], 0) / r['tps']:.2f}× vLLM's {r['tps']:.1f}" for r in vllm_levels
                         if r["tps"]) + "\n"
+        if int8_levels:
+            agg8 = {r["clients"]: r["tps"] for r in int8_levels}
+            text += "".join(f"\n- {r['clients']} streams: cmf serve --int8-act {agg8.get(r['clients'], 0):.1f} t/s "
+                            f"= {agg8.get(r['clients'], 0) / r['tps']:.2f}× vLLM's {r['tps']:.1f}"
+                            for r in vllm_levels if r["tps"]) + "\n"
     print(text)
     if args.write:
         append_run(text)

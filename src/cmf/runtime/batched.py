@@ -27,7 +27,8 @@ from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
 from .ops.decode import norm_into
-from .step import AttnStep, FfnStep, TokenAttention
+from .ops.batch_attend import attend_batch
+from .step import AttnStep, FfnStep, TokenAttention, rope_at
 from ..kernels.gemv_batch import BatchGroup
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class BatchDecoder:
     def __init__(self, model) -> None:  # noqa: ANN001 - a runtime.model.Model
         self.model = model
         self._head: BatchGroup | None = None
+        self._ropes: dict = {}
 
     def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> np.ndarray:
         """Feed ``tokens[b]`` to ``caches[b]`` for every b; the logits [B, vocab] (float32)."""
@@ -101,6 +103,7 @@ class BatchDecoder:
             x *= np.float32(plan.embed_multiplier)
         model._count_forward(1)  # the embedding's looked-up pages, given back as for decode forwards
         positions = [c.pos for c in caches]
+        self._ropes: dict = {}  # this step's cos/sin rows per RoPE profile
         nt = numba.get_num_threads()
         for i, block in enumerate(model._blocks):
             if block.alive:
@@ -155,14 +158,28 @@ class BatchDecoder:
         k = qkv[:, ops.nq:ops.nq + ops.nk].reshape(bsz, a.kv_heads, a.head_dim)
         v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
         att = np.empty((bsz, a.heads, a.v_head_dim), np.float32)
-        for i, (kv, pos) in enumerate(zip(states, positions)):
-            ops.attend(q[i], k[i], v[i], kv, pos, att[i], nt)
+        if all(type(kv) is LayerKV and kv.window is None for kv in states):  # one call for the batch
+            cos, sin = self._rope(a.rope, positions)
+            attend_batch(ops.attend, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                         states, positions, cos, sin, att, nt)
+        else:  # sliding windows drop entries as they append: one sequence at a time
+            for i, (kv, pos) in enumerate(zip(states, positions)):
+                ops.attend(q[i], k[i], v[i], kv, pos, att[i], nt)
         if m.head_keep is not None:
             att[:, ~m.head_keep] = 0
         y = ops.o(att.reshape(bsz, -1), nt)
         if m.ob is not None:
             y += m.ob
         return y
+
+    def _rope(self, profile, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001
+        """cos, sin [B, rotary_dim] at each sequence's position (the one-token step's ``rope_at``
+        rows), made once per step and RoPE profile."""
+        hit = self._ropes.get(id(profile))
+        if hit is None or hit[0] is not profile:
+            rows = [rope_at(profile, p) for p in positions]
+            hit = self._ropes[id(profile)] = (profile, np.stack([c for c, _ in rows]), np.stack([s for _, s in rows]))
+        return hit[1], hit[2]
 
     def _ffn(self, block: Block, ops: _LayerOps, h: np.ndarray, nt: int) -> np.ndarray:
         f = block.ffn
