@@ -28,7 +28,7 @@ from .xprep import fill_x
 from .q1 import q1_rows
 from .rows import ALL_ROWS, fold_cols, row_dots
 from .vbit import group_sums, pair_x, vbit_rows
-from .vmath import gated
+from .vmath import gated_rows
 
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu": 2,
         "relu": 3}
@@ -37,9 +37,9 @@ NO_ACT = -1
 
 @numba.njit(**SERIAL)
 def apply_act(Y, width, act, i0, i1):  # pragma: no cover - compiled
-    """Y[0, i] = act(Y[0, i])·Y[0, width + i] for i in [i0, i1) (gate in the first half, up after)."""
-    for i in range(i0, i1):
-        Y[0, i] = gated(Y[0, i], Y[0, width + i], act)
+    """Y[0, i] = act(Y[0, i])·Y[0, width + i] for i in [i0, i1) (gate in the first half, up after):
+    the batched products' own loop (``vmath.gated_rows``) on the first row, so the values agree."""
+    gated_rows(Y[:1], width, act, i0, i1)
 
 
 @numba.njit(**SERIAL)

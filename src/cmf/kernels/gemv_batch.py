@@ -30,7 +30,7 @@ from ._jit import PARALLEL, SERIAL
 from ._jit import chunk as _chunk
 from .gemv import NO_ACT, MatvecGroup
 from .rows import fold_cols, row_dots, row_dots_pairs
-from .vmath import gated
+from .vmath import gated_rows
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,6 @@ PAIRED_MIN_T = 8
 
 
 @numba.njit(**SERIAL)
-def _act_rows(Y, width, act, i0, i1):  # pragma: no cover - compiled
-    """Y[t, i] = act(Y[t, i])·Y[t, width + i] for i in [i0, i1) and every t (``gemv.apply_act``'s
-    element function)."""
-    for t in range(Y.shape[0]):
-        for i in range(i0, i1):
-            Y[t, i] = gated(Y[t, i], Y[t, width + i], act)
-
-
-@numba.njit(**SERIAL)
 def _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, j, act, width, paired):  # pragma: no cover - compiled
     for m in range(len(ws)):
         r0, r1 = _chunk(ws[m].shape[0], nt, j, 4)
@@ -62,7 +53,7 @@ def _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, nt, j, act, width, paired
             row_dots(ws[m], kind, ss[m], fold_cols(X, cols[m]), Y[:, offs[m]:], rows, r0, r1)
     if act >= 0:
         r0, r1 = _chunk(width, nt, j, 4)
-        _act_rows(Y, width, act, r0, r1)
+        gated_rows(Y, width, act, r0, r1)
 
 
 @numba.njit(**PARALLEL)
@@ -104,7 +95,7 @@ class BatchGroup:
             for o, off, n in zip(g.ops, g.offs, g.sizes):
                 Y[:, off:off + n] = o(X)
             if g.act != NO_ACT:
-                _act_rows(Y, g.width, g.act, 0, g.width)
+                gated_rows(Y, g.width, g.act, 0, g.width)
             return Y
         if g.kernel == "q8i":  # int8 activations: one arithmetic per (row, vector) for any batch
             return g.int8_group.run(X, Y, nt)

@@ -24,7 +24,7 @@ from ._ir import quantize_group_b1
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, bits_as_f32, huge_zeros
 from ._jit import chunk as _chunk
 from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4
-from .vmath import gated
+from .vmath import gated_rows
 
 GROUP = 32
 
@@ -148,13 +148,6 @@ def _one_block(planes, s, xv, xc, d, Y, blk, acc):  # pragma: no cover - compile
         t += nv
 
 
-@numba.njit(**SERIAL)
-def _act_rows(Y, width, act, i0, i1):  # pragma: no cover - compiled
-    for t in range(Y.shape[0]):
-        for i in range(i0, i1):
-            Y[t, i] = gated(Y[t, i], Y[t, width + i], act)
-
-
 @numba.njit(**SERIAL_ORDERED)
 def _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, nt, j, act, width):  # pragma: no cover - compiled
     acc = np.empty(MAX_VECS * ROWS, np.float32)
@@ -167,7 +160,7 @@ def _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, nt, j, act, width):  # p
     if act >= 0:
         nblk = (width + ROWS - 1) // ROWS
         b0, b1 = _chunk(nblk, nt, j, 1)
-        _act_rows(Y, width, act, b0 * ROWS, min(width, b1 * ROWS))
+        gated_rows(Y, width, act, b0 * ROWS, min(width, b1 * ROWS))
 
 
 @numba.njit(**PARALLEL)

@@ -80,3 +80,23 @@ def gated(g, u, act):  # pragma: no cover - compiled
 
 
 __all__ = ["exp_f32", "tanh_f32", "gated"]
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, error_model="numpy")
+def gated_rows(Y, width, act, i0, i1):  # pragma: no cover - compiled
+    """Y[t, i] = act(Y[t, i])·Y[t, width + i] for i in [i0, i1) and every t: gate in the first
+    half of each row, up after it (the one-token and the batched products' gated activation).
+
+    Through 1-D views of each row's two halves: indexing Y[t, i] and Y[t, width + i] directly, the
+    loop did not vectorize (LLVM could not tell the two apart: 3.4–4.9 ns an element, a quarter of
+    a 16-sequence gate/up product; the views: 0.4 ns, the same values)."""
+    for t in range(Y.shape[0]):
+        g = Y[t, i0:i1]
+        u = Y[t, width + i0:width + i1]
+        if act == 0:
+            for k in range(i1 - i0):
+                x = g[k]
+                g[k] = x / (np.float32(1) + exp_f32(-x)) * u[k]
+        else:
+            for k in range(i1 - i0):
+                g[k] = gated(g[k], u[k], act)
