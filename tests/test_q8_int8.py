@@ -149,7 +149,7 @@ def _runner(path: str, nv: int):  # noqa: ANN202 - a compiled function
 
         @numba.njit
         def run(planes, xv, xc, d, gpr, out):  # pragma: no cover - compiled
-            k(planes, 0, xv, 0, gpr * 8, xc, d, 0, gpr, out)
+            k(planes, 0, xv, 0, gpr * 8, xc, d, 0, gpr, out, 0)
 
         _RUNNERS[path, nv] = run
     return _RUNNERS[path, nv]

@@ -66,11 +66,15 @@ def _integer_sums(builder, codes: list, xs: list, path: str) -> list:  # noqa: A
 
 def _make(nvecs: int, path: str | None = None):  # noqa: ANN202 - returns a numba intrinsic
     @intrinsic
-    def q8i_block(typingctx, planes, base, xv, xoff, vstride, xc, d, soff, gpr, out):  # noqa: ANN001
+    def q8i_block(typingctx, planes, base, xv, xoff, vstride, xc, d, soff, gpr, out, pf):  # noqa: ANN001
         """out[32v + i] = Σ_g d[soff + v·gpr + g]·I_g(row i, vector v) for the block at
         planes[base:] and vectors v < nvecs (x words at xv[xoff + v·vstride:], corrections
-        xc and scales d at [soff + v·gpr + g])."""
-        sig = types.void(planes, types.int64, xv, types.int64, types.int64, xc, d, types.int64, types.int64, out)
+        xc and scales d at [soff + v·gpr + g]). ``pf`` > 0: while reading each group's kilobyte,
+        prefetch the kilobyte ``pf`` bytes further (the next block, on the first pass over this
+        one): the hardware prefetcher alone left a 16-sequence product ~35% slower from memory
+        than from cache."""
+        sig = types.void(planes, types.int64, xv, types.int64, types.int64, xc, d, types.int64, types.int64, out,
+                         types.int64)
 
         def codegen(context, builder, signature, args):
             pp, xp, cp, dp, op = ir_pointers(context, builder, signature, args, 0, 2, 5, 6, 9)
@@ -79,9 +83,20 @@ def _make(nvecs: int, path: str | None = None):  # noqa: ANN202 - returns a numb
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * 16)) for _ in range(nvecs)]
                     for _ in range(2)]
             use = path or int_dot.DOT_PATH
+            pf = args[10]
+            want_pf = builder.icmp_signed(">", pf, ir.Constant(_I64, 0))
+            i8p = ir.IntType(8).as_pointer()
+            prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
             with cgutils.for_range(builder, gpr) as loop:
                 g = loop.index
                 gb = builder.add(base, builder.mul(g, ir.Constant(_I64, GROUP_BYTES)))
+                with builder.if_then(want_pf, likely=False):
+                    ahead = builder.add(gb, pf)
+                    for line in range(GROUP_BYTES // 64):
+                        p = builder.bitcast(cgutils.gep(builder, pp, builder.add(ahead, ir.Constant(_I64, 64 * line))),
+                                            i8p)
+                        builder.call(prefetch, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
                 codes = [[ir_vec_load(builder, cgutils.gep(builder, pp, builder.add(
                     gb, ir.Constant(_I64, 128 * w + 64 * b))), _V16) for w in range(WORDS)] for b in range(2)]
                 xs = []
