@@ -406,21 +406,20 @@ def main() -> None:
         append_run(text)
 
 
-SECTION = "## server, continuous batching"
+SECTION = "## server"
 
 
 def append_run(text: str) -> None:
-    """Add a dated run at the end of RESULTS.md's continuous-batching section (made if absent),
-    leaving the other sections, and earlier runs, alone."""
+    """Add a dated run at the top of RESULTS.md's server section (newest first, as the file
+    keeps its runs; the section is made if absent), leaving the other sections alone."""
     old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     lines = old.splitlines(keepends=True)
     start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
     if start is None:
         RESULTS.write_text(old.rstrip("\n") + f"\n\n{SECTION}\n\n" + text)
         return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    body = "".join(lines[:end]).rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(body + ("\n" + "".join(lines[end:]) if end < len(lines) else ""))
+    head = "".join(lines[:start + 1]).rstrip("\n") + "\n\n"
+    RESULTS.write_text(head + text.rstrip("\n") + "\n\n" + "".join(lines[start + 1:]).lstrip("\n"))
 
 
 if __name__ == "__main__":

@@ -134,6 +134,22 @@ def test_non_finite_input_gives_nan_rows(mats) -> None:
     assert np.isfinite(y[[1, 2, 3, 5]]).all()
 
 
+def test_the_repacked_matrix_gives_its_mapped_rows_back(mats) -> None:
+    """Once packed, products read only the blocks: the mapped q8 rows are released (as the 4-bit
+    tiles' sources are), and a product after that is unchanged (row lookups fault them back)."""
+    from cmf.runtime.memory import PackedSourceReleaser
+
+    op = prepare(mats.tensor("q8_row.64x1024.0"), int8_activations=True)
+    rel = PackedSourceReleaser(mats)
+    assert rel.release([op]) == 0  # nothing packed yet
+    x = _inputs(1024)
+    before = op(x)
+    assert rel.release([op]) > 0 and rel.release([op]) == 0  # once
+    assert np.array_equal(op(x), before)
+    assert np.array_equal(op.dequant_rows(np.array([5])), prepare(mats.tensor("q8_row.64x1024.0")).dequant_rows(
+        np.array([5])))
+
+
 def test_off_by_default(mats) -> None:
     op = prepare(mats.tensor("q8_row.200x320.0"))
     assert not op.int8 and op.group_family == "rows:q8"

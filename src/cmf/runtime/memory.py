@@ -67,7 +67,8 @@ def _ranges(op) -> list[tuple[np.ndarray, int]]:  # noqa: ANN001 - a kernels.til
 
 
 class PackedSourceReleaser:
-    """Tracks, per 4-bit LinearOp, which packed tiles' source rows were already released."""
+    """Tracks, per 4-bit LinearOp, which packed tiles' source rows were already released (and
+    which q8 matrices, repacked whole for int8 activations, ``kernels/q8i.py``)."""
 
     def __init__(self, file) -> None:  # noqa: ANN001 - a CmfFile
         # the file's mappings: only bytes inside an open one are ever given back
@@ -78,10 +79,16 @@ class PackedSourceReleaser:
     def release(self, ops) -> int:  # noqa: ANN001 - LinearOps
         """Release the source pages of tiles packed since the last call; returns bytes released."""
         from ..kernels.q4 import R
+        from ..kernels.q8 import Q8Linear
         from ..kernels.tiled import TiledLinear
 
         total = 0
         for op in ops:
+            if isinstance(op, Q8Linear):  # int8 activations: the whole matrix repacked at once
+                if op._blocks is not None and op not in self._done:
+                    self._done[op] = np.ones(1, bool)
+                    total += self._drop(op.q.ctypes.data, op.q.nbytes)
+                continue
             op = getattr(op, "tiled", op)  # q1t: the tiles inside its Q1Linear
             if not isinstance(op, TiledLinear) or not op.ntiles:
                 continue
