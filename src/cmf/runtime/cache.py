@@ -22,6 +22,25 @@ class LayerKV:
         self.n = 0  # valid entries
         self.start = 0  # absolute position of entry 0
 
+    # The arrays' addresses, kept as they are replaced: the batched step passes every sequence's
+    # cache to one compiled call by address (runtime/ops/batch_attend.py), and reading
+    # ``ndarray.ctypes.data`` there cost ~1 µs an array, 16 sequences × 2 × 30 layers a step.
+    @property
+    def k(self) -> np.ndarray:
+        return self._k
+
+    @k.setter
+    def k(self, a: np.ndarray) -> None:
+        self._k, self.k_addr = a, a.ctypes.data
+
+    @property
+    def v(self) -> np.ndarray:
+        return self._v
+
+    @v.setter
+    def v(self, a: np.ndarray) -> None:
+        self._v, self.v_addr = a, a.ctypes.data
+
     @property
     def end(self) -> int:
         """Absolute position after the last cached key."""

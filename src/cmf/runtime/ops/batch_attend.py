@@ -20,7 +20,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from .decode import attend_decode, attends_serially, rope_append_attend
+from .decode import PARALLEL_ATTEND, attend_decode, rope_append_attend
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
 
@@ -54,17 +54,15 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
     it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
     LayerKV (all keeping every entry: the caller checks); cos/sin: [B, rotary_dim] at each position."""
-    bsz = len(states)
-    ns = np.empty(bsz, np.int64)
-    caps = np.empty(bsz, np.int64)
-    kaddr = np.empty(bsz, np.int64)
-    vaddr = np.empty(bsz, np.int64)
-    for i, kv in enumerate(states):
-        ns[i] = kv.reserve(1)
-        caps[i] = kv.k.shape[0]
-        kaddr[i] = kv.k.ctypes.data
-        vaddr[i] = kv.v.ctypes.data
-    serial = np.array([attends_serially(q[i], int(ns[i]) + 1, nt) for i in range(bsz)], np.bool_)
+    for kv in states:
+        if kv.n + 1 > kv.k.shape[0]:
+            kv.reserve(1)
+    ns = np.array([kv.n for kv in states], np.int64)
+    caps = np.array([kv.k.shape[0] for kv in states], np.int64)
+    kaddr = np.array([kv.k_addr for kv in states], np.int64)
+    vaddr = np.array([kv.v_addr for kv in states], np.int64)
+    # attends_serially's rule (the one-token step's choice) for every sequence at once
+    serial = (q.shape[1] * (ns + 1) * q.shape[2] < PARALLEL_ATTEND) | (nt <= 1)
     batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, ns,
                              np.asarray(positions, np.int64), np.array([kv.start for kv in states], np.int64),
                              attend.scale, attend.window, attend.softcap, serial, out)
