@@ -223,3 +223,26 @@ def test_a_model_decodes_the_same_logits_alone_and_in_a_batch(tmp_path) -> None:
             assert np.array_equal(ref, out[b])
     finally:
         model.close()
+
+
+def test_prompt_blocks_group_qkv_and_gate_up(tmp_path) -> None:
+    """A prompt block's q/k/v and gate/up (with the activation) run as one int8 product each
+    (``blocks.int8_group``): the same values as the matrices one by one."""
+    import cmf
+    from cmf.convert import convert
+    from server_fixtures import tiny_qwen3
+
+    path = tmp_path / "m.cmf"
+    convert(tiny_qwen3(tmp_path / "hf"), path, quant="q8")
+    model = cmf.load(path, int8_activations=True)
+    try:
+        ids = [5, 17, 3, 9, 11, 2, 40, 7]
+        grouped = model.prefill(ids, model.new_cache(), all_logits=True)
+        blk = model._blocks[0]
+        assert blk.mixer._qkv is not None and blk.ffn._gate_up is not None
+        for b in model._blocks:
+            b.mixer._qkv, b.ffn._gate_up = None, None  # the products one by one
+        apart = model.prefill(ids, model.new_cache(), all_logits=True)
+        np.testing.assert_allclose(grouped, apart, rtol=0, atol=1e-5 * np.abs(apart).max())
+    finally:
+        model.close()

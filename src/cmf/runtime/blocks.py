@@ -17,6 +17,7 @@ from .ops.attention import attend
 from .ops.decode import attend_decode
 from .ops.linear import mm
 from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows, rope_rows
+from ..kernels._jit import threads
 from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
@@ -65,6 +66,18 @@ class _Norms:
         return prepare_norm_weight(self.w.vector(name), self.gemma) if name else None
 
 
+def int8_group(ops: list, act: str | None = None):  # noqa: ANN201 - a kernels.q8i.Int8Group or None
+    """One product for matrices sharing an input when all run q8 with int8 activations (the input
+    quantized once, one parallel region; with ``act`` the gated activation in the first half), else
+    None. A prompt block's q/k/v and gate/up went through one product each, each quantizing x."""
+    if not all(getattr(o, "group_family", None) == "q8i" for o in ops):
+        return None
+    from ..kernels.q8i import Int8Group
+
+    return Int8Group([o.int8_mats() for o in ops], ops[0].in_features, ACTS[act] if act else -1,
+                     ops[0].out_features if act else 0)
+
+
 class Attention:
     """Grouped-query attention with the optional biases, q/k norms, output gate and g_proj gate."""
 
@@ -75,6 +88,7 @@ class Attention:
         self.qn, self.kn = norm(a.q_norm), norm(a.k_norm)
         self.g = w.linear(a.g_proj) if a.g_proj else None
         self.head_keep: np.ndarray | None = None  # task mask: bool per head, None = all heads
+        self._qkv = False  # int8_group of q/k/v (made on the first block of tokens; None: none)
 
     def new_state(self) -> LayerKV:
         return LayerKV(self.a.kv_heads, self.a.head_dim, self.a.window, self.a.v_head_dim)
@@ -82,7 +96,14 @@ class Attention:
     def __call__(self, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
         a = self.a
         t = h.shape[0]
-        q = mm(self.q, h)
+        if self._qkv is False:
+            self._qkv = None if a.output_gate else int8_group([self.q, self.k, self.v])
+        if t > 1 and self._qkv is not None:  # one product (no output gate: checked when made)
+            y = self._qkv.run(h, np.empty((t, self._qkv.out_features), np.float32), threads())
+            nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+            q, k, v = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+        else:
+            q, k, v = mm(self.q, h), mm(self.k, h), mm(self.v, h)
         if self.qb is not None:
             q += self.qb
         gate = None
@@ -91,11 +112,9 @@ class Attention:
             q, gate = np.ascontiguousarray(q[..., :a.head_dim]), q[..., a.head_dim:]
         else:
             q = q.reshape(t, a.heads, a.head_dim)
-        k = mm(self.k, h)
         if self.kb is not None:
             k += self.kb
         k = k.reshape(t, a.kv_heads, a.head_dim)
-        v = mm(self.v, h)
         if self.vb is not None:
             v += self.vb
         v = v.reshape(t, a.kv_heads, a.v_head_dim)
@@ -270,6 +289,7 @@ class DenseFfn:
         self._masked: LiveFfn | None = None  # the live matrices of the current mask
         self._key = b""
         self._cache: dict[bytes, LiveFfn] = {}  # gathers of recent masks (cheap switching back)
+        self._gate_up = False  # int8_group of gate/up with the activation (made on first use; None: none)
 
     def set_mask(self, keep: np.ndarray | None) -> None:
         """Restrict to the neurons where ``keep`` (bool [width]) is set; None or all-set: no mask."""
@@ -308,6 +328,13 @@ class DenseFfn:
         else:
             lf = self.live()
             gate, up, down, pos = lf.gate, lf.up, lf.down, lf.positions
+        if live is None and h.ndim == 2 and h.shape[0] > 1 and self.act_name in ACTS:
+            if self._gate_up is False:
+                self._gate_up = int8_group([self.gate, self.up], self.act_name)
+            if self._gate_up is not None:  # gate/up and the activation in one product
+                w = self._gate_up.width
+                y = self._gate_up.run(h, np.empty((h.shape[0], 2 * w), np.float32), threads())
+                return mm(down, y[:, :w])
         g = mm(gate, h) if gate is not None else self.gate.rows(live, h)
         u = mm(up, h) if up is not None else self.up.rows(live, h)
         if h.ndim == 2 and self.act_name in ACTS:

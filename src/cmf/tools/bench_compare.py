@@ -165,6 +165,19 @@ def worker_main(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ orchestration
 
 
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp's Python binding cannot run here, or None. An install without its shared
+    library (built with ``LLAMA_BUILD=OFF`` and no ``LLAMA_CPP_LIB_PATH``) fails at import with a
+    RuntimeError, not an ImportError: the peer is then skipped with that reason, not a crash."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama_cpp (llama-cpp-python) is not importable: pip install llama-cpp-python"
+    except (OSError, RuntimeError) as exc:
+        return f"llama_cpp (llama-cpp-python) is installed but does not load: {exc}"
+    return None
+
+
 def prepare_peers(model: Path, engines: list[str], workdir: Path) -> dict[str, tuple[str, str] | str]:
     """Export the model for each peer; returns engine → (path, format label) or a reason it is skipped."""
     out: dict[str, tuple[str, str] | str] = {"pycmf": (str(model), "cmf")}
@@ -189,17 +202,16 @@ def prepare_peers(model: Path, engines: list[str], workdir: Path) -> dict[str, t
         except ImportError:
             out["hf"] = "transformers/torch not installed"
     if "llama.cpp" in engines:
-        try:
-            import llama_cpp  # noqa: F401
-
+        reason = llama_cpp_missing()
+        if reason:
+            out["llama.cpp"] = reason
+        else:
             from ..convert.gguf_export import export_gguf
 
             gtype = gguf_type_for(dtypes)
             g = workdir / f"model-{gtype}.gguf"
             export_gguf(model, g, gtype)
             out["llama.cpp"] = (str(g), f"GGUF {gtype}")
-        except ImportError:
-            out["llama.cpp"] = "llama_cpp (llama-cpp-python) is not importable: pip install llama-cpp-python"
     return out
 
 
