@@ -71,6 +71,9 @@ class Q8Linear(FusedLinear):
 
     fused_max_t = 16  # measured crossover with dequantize + sgemm: T ~ 16-32 (benchmarks/quant.py)
     rows_exact = True  # rows.row_dots: one row's dot products, the same for every batch size
+    # With int8 activations every block of tokens takes the integer kernel: prefill included (SmolLM2
+    # pp512 1074 t/s against 515 through dequantize + sgemm, docs/PERFORMANCE.md).
+    INT8_MAX_T = 1 << 62
 
     def __init__(self, tensor) -> None:  # noqa: ANN001
         super().__init__(tensor)
@@ -95,12 +98,9 @@ class Q8Linear(FusedLinear):
         use), every batch size through the same per-(row, vector) arithmetic. Results within
         ~1e-2 relative of the exact product. Returns the new setting."""
         self.int8 = bool(on)
-        # prefill blocks too: the integer kernel against dequantize + sgemm (benchmarks/quant.py)
         self.fused_max_t = self.INT8_MAX_T if self.int8 else Q8Linear.fused_max_t
         self._int8_op: q8i.Int8Group | None = None
         return self.int8
-
-    INT8_MAX_T = 1 << 62
 
     def int8_mats(self) -> tuple:
         """(packed blocks, f32 row scales, rows): a matrix of a :class:`~.q8i.Int8Group`."""
