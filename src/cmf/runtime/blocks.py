@@ -8,6 +8,7 @@ never routed to are never read.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from .cache import LayerKV, LinearState
@@ -17,7 +18,6 @@ from .ops.attention import attend
 from .ops.decode import attend_decode
 from .ops.linear import mm
 from .ops.rowwise import gated_act, qk_norm_rope_rows, rms_norm_rows, rope_rows
-from ..kernels._jit import threads
 from ..kernels.gemv import ACTS
 from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
@@ -99,7 +99,7 @@ class Attention:
         if self._qkv is False:
             self._qkv = None if a.output_gate else int8_group([self.q, self.k, self.v])
         if t > 1 and self._qkv is not None:  # one product (no output gate: checked when made)
-            y = self._qkv.run(h, np.empty((t, self._qkv.out_features), np.float32), threads())
+            y = self._qkv.run(h, np.empty((t, self._qkv.out_features), np.float32), numba.get_num_threads())
             nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
             q, k, v = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
         else:
@@ -333,7 +333,7 @@ class DenseFfn:
                 self._gate_up = int8_group([self.gate, self.up], self.act_name)
             if self._gate_up is not None:  # gate/up and the activation in one product
                 w = self._gate_up.width
-                y = self._gate_up.run(h, np.empty((h.shape[0], 2 * w), np.float32), threads())
+                y = self._gate_up.run(h, np.empty((h.shape[0], 2 * w), np.float32), numba.get_num_threads())
                 return mm(down, y[:, :w])
         g = mm(gate, h) if gate is not None else self.gate.rows(live, h)
         u = mm(up, h) if up is not None else self.up.rows(live, h)
