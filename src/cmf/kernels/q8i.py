@@ -21,10 +21,11 @@ import numpy as np
 from numba import prange
 
 from ._ir import quantize_group_b1
-from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, bits_as_f32, huge_zeros
+from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
 from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4
 from .vmath import gated_rows
+from .xprep import group_scale
 
 GROUP = 32
 
@@ -69,20 +70,13 @@ def pack(q: np.ndarray, nt: int) -> np.ndarray:
 @numba.njit(**SERIAL)
 def quantize_vector(X, xq, d, xc, t):  # pragma: no cover - compiled
     """Row t of X [T, 32·gpr] float32 → int8 activations ``xq[t]``, scales d[t] and corrections
-    xc[t] = 128·Σ q per group of 32. d = max|x|/127, q = rint(x·(1/d)) (ties to even,
-    ``xprep.quantize_x``'s rule); a group holding inf or NaN gets d = NaN."""
+    xc[t] = 128·Σ q per group of 32: ``xprep.group_scale``'s d, q = rint(x·(1/d)) (ties to even);
+    a group holding inf or NaN gets d = NaN."""
     gpr = d.shape[1]
     bits = X.view(np.uint32)
     sums = np.empty(1, np.int32)
     for g in range(gpr):
-        top = np.uint32(0)
-        special = np.uint32(0)
-        for j in range(GROUP):
-            m = bits[t, g * GROUP + j] & np.uint32(0x7FFFFFFF)
-            top = max(top, m)
-            special |= np.uint32(1) if m >= np.uint32(0x7F800000) else np.uint32(0)
-        dd = bits_as_f32(top) / np.float32(127) if special == 0 else np.float32(0)
-        inv = np.float32(1) / dd if dd > 0 else np.float32(0)
+        dd, inv, special = group_scale(bits[t, g * GROUP:(g + 1) * GROUP])
         quantize_group_b1(X[t], g * GROUP, inv, xq[t], g * GROUP, sums)
         d[t, g] = np.float32(np.nan) if special else dd
         xc[t, g] = np.int32(128) * sums[0]

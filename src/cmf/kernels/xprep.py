@@ -44,6 +44,23 @@ def split_x(X, xp, xs, zero):  # pragma: no cover - compiled
             xs[t, g] = tot * zero
 
 
+@numba.njit(inline="always")
+def group_scale(bits):  # pragma: no cover - compiled
+    """(d, 1/d, special) of one group of 32 float32 values given as their uint32 bits: d =
+    max|x|/127 (the abs max an integer max of the sign-cleared bits, which order as |x| for
+    finite x: a loop LLVM vectorizes), 1/d (0 for d = 0), special when the group holds inf or
+    NaN (d is then 0; the caller stores NaN). The int8 activations' rule, for every kernel."""
+    top = np.uint32(0)
+    special = False
+    for j in range(GROUP):
+        m = bits[j] & np.uint32(0x7FFFFFFF)
+        top = max(top, m)
+        special |= m >= np.uint32(0x7F800000)
+    d = bits_as_f32(top) / np.float32(127) if not special else np.float32(0)
+    inv = np.float32(1) / d if d > 0 else np.float32(0)
+    return d, inv, special
+
+
 @numba.njit(**SERIAL)
 def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
     """int8 activations for the ``i8`` kernels, per group of 32: d = max|x|/127, q = rint(x/d)
@@ -58,8 +75,7 @@ def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
     d/2^15 of v·d, and of x within max|x|·3.6e-7 (with the roundings of 1/d and x·(1/d)).
     A group holding inf or NaN gets d = NaN, so its rows come out NaN as in the float32 kernels.
 
-    One group per ``_ir.quantize_group_*`` (a single vector pass); the abs max is an integer max
-    of the sign-cleared bits (|x| orders as its bits for finite x), a loop LLVM vectorizes."""
+    One group per ``_ir.quantize_group_*`` (a single vector pass), scaled by :func:`group_scale`."""
     T, gpr, K, nw, P, _ = q8.shape
     bits = X.view(np.uint32)
     flat = q8.reshape(T, gpr * K * GROUP)
@@ -67,15 +83,7 @@ def quantize_x(X, q8, xd, xz, zero):  # pragma: no cover - compiled
     for t in range(T):
         xt = X[t]
         for g in range(gpr):
-            bg = bits[t, g * GROUP:(g + 1) * GROUP]
-            top = np.uint32(0)
-            special = np.uint32(0)
-            for j in range(GROUP):
-                m = bg[j] & np.uint32(0x7FFFFFFF)
-                top = max(top, m)
-                special |= np.uint32(1) if m >= np.uint32(0x7F800000) else np.uint32(0)
-            d = bits_as_f32(top) / np.float32(127) if special == 0 else np.float32(0)
-            inv = np.float32(1) / d if d > 0 else np.float32(0)
+            d, inv, special = group_scale(bits[t, g * GROUP:(g + 1) * GROUP])
             at = g * K * GROUP
             if P == 2:
                 if K == 3:

@@ -20,7 +20,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from .decode import PARALLEL_ATTEND, attend_decode, rope_append_attend
+from .decode import attend_decode, attends_serially, rope_append_attend
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
 
@@ -61,8 +61,7 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
     caps = np.array([kv.k.shape[0] for kv in states], np.int64)
     kaddr = np.array([kv.k_addr for kv in states], np.int64)
     vaddr = np.array([kv.v_addr for kv in states], np.int64)
-    # attends_serially's rule (the one-token step's choice) for every sequence at once
-    serial = (q.shape[1] * (ns + 1) * q.shape[2] < PARALLEL_ATTEND) | (nt <= 1)
+    serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence
     batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, ns,
                              np.asarray(positions, np.int64), np.array([kv.start for kv in states], np.int64),
                              attend.scale, attend.window, attend.softcap, serial, out)

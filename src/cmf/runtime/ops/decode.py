@@ -302,10 +302,11 @@ def rope_append_attend(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, 
         attend_one(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out)
 
 
-def attends_serially(q: np.ndarray, n_keys: int, nt: int) -> bool:
+def attends_serially(q: np.ndarray, n_keys, nt: int):  # noqa: ANN001, ANN201 - int or int array
     """Whether one-token attention of q [H, D] over ``n_keys`` cache entries runs on one thread
-    (short caches: a parallel region costs more than it saves, see PARALLEL_ATTEND)."""
-    return nt <= 1 or q.shape[0] * n_keys * q.shape[1] < PARALLEL_ATTEND
+    (short caches: a parallel region costs more than it saves, see PARALLEL_ATTEND); an array of
+    key counts gives an array of answers (the batched step's sequences)."""
+    return (q.shape[0] * n_keys * q.shape[1] < PARALLEL_ATTEND) | (nt <= 1)
 
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos: int, k0: int, scale: float,
