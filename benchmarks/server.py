@@ -21,6 +21,10 @@ importable, the same load runs against it on a Q8_0 GGUF exported from the same 
 ``--gguf``). ``--runs N`` repeats every level N times and reports medians (the machine is shared).
 ``--int8-act`` serves the same file a second time with ``cmf serve --int8-act`` (int8 activations:
 integer products for q8 and the 4-bit family) and reports it beside the exact server.
+The one-client row's "vs cmf bench" alternates the two ``--ref-rounds`` times (bench, then one
+stream, while the other is idle) and reports the median of the rounds' ratios: this host's speed
+drifts by tens of percent between minutes, so one reference taken before the server starts can be
+off by more than the difference being measured.
 ``--write`` appends a dated section to benchmarks/RESULTS.md.
 """
 
@@ -244,13 +248,55 @@ def reference(model_path: Path, n_gen: int, threads: int | None, int8: bool = Fa
     return statistics.median(res[0]["samples"])
 
 
-def rows_of(levels: list[dict], ref: float) -> list[list]:
+def single_vs_bench(host: str, port: int, model_path: Path, args: argparse.Namespace, texts: list[str],
+                    int8: bool = False) -> dict | None:
+    """One stream through the server against ``cmf bench`` in this process, alternated
+    ``args.ref_rounds`` times (bench tg, then one client's ``args.requests`` requests, while the
+    other is idle): the host's speed drifts by tens of percent between minutes, so a reference
+    taken once before the server compares two different machines. Per round the ratios of the
+    stream's aggregate rate (its first token's wait included) and of its decode rate (per-stream,
+    after the first token) to that round's bench rate; medians over the rounds."""
+    if args.ref_rounds < 1:
+        return None
+    import cmf
+    from cmf.tools.bench import bench
+
+    rounds = []
+    with cmf.load(model_path, threads=args.threads, int8_activations=int8) as m:
+        for _ in range(args.ref_rounds):
+            ref = statistics.median(bench(m, 0, args.max_tokens, 3)[0]["samples"])
+            r = run_level(host, port, 1, args.requests, texts, args.max_tokens)
+            rounds.append({"ref": ref, "tps": r["tps"], "stream_tps": r["stream_tps"]})
+            print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
+    med = statistics.median
+    return {"rounds": rounds, "ref": med(x["ref"] for x in rounds), "tps": med(x["tps"] for x in rounds),
+            "ratio": med(x["tps"] / x["ref"] for x in rounds),
+            "stream_ratio": med(x["stream_tps"] / x["ref"] for x in rounds)}
+
+
+def single_text(single: dict | None, n_gen: int) -> str:
+    if not single:
+        return ""
+    rounds = single["rounds"]
+    return (f"\nOne stream against `cmf bench` tg{n_gen} in this process, alternated {len(rounds)} times: "
+            f"aggregate **{100 * single['ratio']:.0f}%** of bench (median of the rounds' ratios: "
+            + ", ".join(f"{100 * x['tps'] / x['ref']:.0f}%" for x in rounds)
+            + f"), decode rate after the first token {100 * single['stream_ratio']:.0f}%; bench in those rounds "
+            + ", ".join(f"{x['ref']:.0f}" for x in rounds) + " t/s.\n")
+
+
+def rows_of(levels: list[dict], ref: float, single: dict | None = None) -> list[list]:
+    """Table rows; the one-client row's "vs cmf bench" is the alternated median when measured."""
     rows = []
     for r in levels:
+        vs = ""
+        if r["clients"] == 1 and single:
+            vs = f"{100 * single['ratio']:.0f}%"
+        elif r["clients"] == 1 and ref:
+            vs = f"{100 * r['tps'] / ref:.0f}%"
         rows.append([r["clients"], r["requests"], f"{r['errors']} / {r['short']}", f"{r['tps']:.1f}",
                      f"{r['stream_tps']:.1f}", f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
-                     f"{r['engine_tps']:.0f}" if r["engine_tps"] else "",
-                     f"{100 * r['tps'] / ref:.0f}%" if r["clients"] == 1 and ref else ""])
+                     f"{r['engine_tps']:.0f}" if r["engine_tps"] else "", vs])
     return rows
 
 
@@ -273,6 +319,8 @@ def main() -> None:
                          "exported Hugging Face folder, bf16")
     ap.add_argument("--int8-act", action="store_true",
                     help="also serve with `cmf serve --int8-act` (int8 activations: q8 and 4-bit files) in the same run")
+    ap.add_argument("--ref-rounds", type=int, default=5,
+                    help="rounds of one stream alternated with cmf bench for the vs-bench ratio (0: skip)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
     texts = prompts(Path(args.models))
@@ -301,10 +349,12 @@ def main() -> None:
         proc, host, port = start_server(model, extra)
         try:
             cmf_levels = run_levels(host, port, levels, args, texts)
+            single = single_vs_bench(host, port, model, args, texts)
             turns = run_turns(host, port, tokenizer, args.history, 32) if args.history else None
         finally:
             stop(proc)
         int8_levels: list[dict] = []
+        single8 = None
         ref8 = 0.0
         if args.int8_act:
             ref8 = reference(model, args.max_tokens, args.threads, int8=True)
@@ -312,6 +362,7 @@ def main() -> None:
             proc, host, port = start_server(model, extra + ["--int8-act"])
             try:
                 int8_levels = run_levels(host, port, levels, args, texts)
+                single8 = single_vs_bench(host, port, model, args, texts, int8=True)
             finally:
                 stop(proc)
         llama_levels: list[dict] = []
@@ -374,11 +425,11 @@ def main() -> None:
             f"Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}.\n\n"
             f"`cmf bench` tg{args.max_tokens} on the same file, this process, before the server: "
             f"**{ref:.1f} tokens/s**.\n\n#### cmf serve --parallel {args.parallel}\n\n"
-            + table(headers, rows_of(cmf_levels, ref)) + "\n")
+            + table(headers, rows_of(cmf_levels, ref, single)) + "\n" + single_text(single, args.max_tokens))
     if int8_levels:
         text += (f"\n#### cmf serve --parallel {args.parallel} --int8-act\n\nInt8 activations (integer products; "
                  f"`cmf bench --int8-act` tg{args.max_tokens}: **{ref8:.1f} tokens/s**).\n\n"
-                 + table(headers, rows_of(int8_levels, ref8)) + "\n")
+                 + table(headers, rows_of(int8_levels, ref8, single8)) + "\n" + single_text(single8, args.max_tokens))
     if turns:
         text += (f"\nSecond chat turn on a ~{args.history}-token history (median of 3 conversations): first turn "
                  f"TTFT {turns['first'] * 1e3:.0f} ms, second turn {turns['second'] * 1e3:.0f} ms "

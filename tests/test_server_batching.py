@@ -437,6 +437,42 @@ def test_channel_hands_over_at_most_once_per_interval():
     assert [e for _, g in got[1:] for e in g] == ["b", "c"] and got[1][0] >= 0.19
 
 
+@pytest.mark.parametrize("pair", [False, True])
+def test_channel_final_event_cuts_the_interval_short(pair):
+    """A job's end (Finished, also as an n > 1 request's (index, event) pair) goes out at once,
+    with the deltas that waited for the interval, not after the interval's idle rest."""
+    import asyncio
+    import threading
+
+    from cmf.server.jobs import Delta, Finished
+    from cmf.server.plumbing import Channel
+
+    wrap = (lambda ev: (0, ev)) if pair else (lambda ev: ev)
+    done = Finished("length", 3, 2)
+
+    async def main() -> list[tuple[float, list]]:
+        chan = Channel(interval=1.0)
+        t0 = time.perf_counter()
+
+        def worker() -> None:
+            chan.put(wrap(Delta("a", [])))
+            time.sleep(0.05)  # the coroutine is in its interval's pause now
+            chan.put(wrap(Delta("b", [])))
+            chan.put(wrap(done))
+
+        threading.Thread(target=worker).start()
+        got = []
+        while sum(len(g) for _, g in got) < 3:
+            evs = await chan.get()
+            got.append((time.perf_counter() - t0, evs))
+        return got
+
+    got = asyncio.run(main())
+    assert got[0][1] == [wrap(Delta("a", []))]
+    assert [e for _, g in got[1:] for e in g] == [wrap(Delta("b", [])), wrap(done)]
+    assert got[-1][0] < 0.5, got  # not the 1 s interval
+
+
 @pytest.mark.parametrize("usage", [True, False])
 def test_content_frames_are_the_chunks_bytes(usage):
     """The per-token SSE template writes exactly what dumping the chunk dict would."""

@@ -29,12 +29,13 @@ from . import chat_route, completion_route
 from . import embeddings as emb
 from . import responses as O
 from . import schemas as S
+from .defaults import STREAM_INTERVAL
 from .engine import Engine
 from .filewatch import FileWatch
 from .lease import LeaseGuard
 from .structured import Grammars
 from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
-from .plumbing import (STREAM_INTERVAL, Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
+from .plumbing import (Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
                        read_json, sse)
 
 __all__ = ["create_app", "ServerThread", "bind"]

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from . import sanitize
-from ..server.defaults import DEFAULT_KV_BUDGET_MB, DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+from ..server.defaults import (DEFAULT_KV_BUDGET_MB, DEFAULT_PARALLEL, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB,
+                               STREAM_INTERVAL)
 from ._runtime_args import add_model_options, announce_compiles, resolve_model
 
 NAME = "serve"
@@ -42,9 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help=f"prompt tokens fed between two decode steps (default {DEFAULT_PREFILL_CHUNK}): "
                         "smaller keeps running streams flowing, larger starts new ones sooner")
-    p.add_argument("--stream-interval", type=float, default=25.0, metavar="MS",
+    p.add_argument("--stream-interval", type=float, default=STREAM_INTERVAL * 1000, metavar="MS",
                    help="least milliseconds between two writes of one stream: tokens generated meanwhile go "
-                        "out together, the first at once (default 25; 0: every token as it comes)")
+                        f"out together, the first and the last at once (default {STREAM_INTERVAL * 1000:g}; "
+                        "0: every token as it comes)")
     p.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--spec", choices=("auto", "off"), default="auto",
