@@ -3,7 +3,7 @@ second chat turn's TTFT against the first's on a long history (the prefix cache)
 
     python benchmarks/server.py [--model FILE.cmf | --models ../shared/models --quant q8]
                                 [--clients 1,4,16,32] [--requests 2] [--max-tokens 128] [--threads N]
-                                [--parallel 32] [--history 1000] [--runs 1] [--int8-act] [--write]
+                                [--parallel 32] [--history 1000] [--runs 1] [--exact-act] [--write]
 
 ``--model`` serves that file (the issue's: ``cmf import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o
 smol-q8.cmf``); without it ../shared/models/base (a 3.67M-parameter Qwen3) is converted at
@@ -19,8 +19,10 @@ different texts: the second turn's prompt shares the first's, which the prefix c
 When ``llama_cpp.server`` (llama-cpp-python with its server extra, e.g. ``.venv-bench``) is
 importable, the same load runs against it on a Q8_0 GGUF exported from the same file (or
 ``--gguf``). ``--runs N`` repeats every level N times and reports medians (the machine is shared).
-``--int8-act`` serves the same file a second time with ``cmf serve --int8-act`` (int8 activations:
-integer products for q8 and the 4-bit family) and reports it beside the exact server.
+``cmf serve`` runs int8 activations by default (integer products for q8 and the 4-bit family; the
+reference is then ``cmf bench --int8-act``); ``--exact-act`` serves the same file a second time
+with ``cmf serve --exact-act`` (float activations, against plain ``cmf bench``) and reports it
+beside the default.
 The one-client row's "vs cmf bench" alternates the two ``--ref-rounds`` times (bench, then one
 stream, while the other is idle) and reports the median of the rounds' ratios: this host's speed
 drifts by tens of percent between minutes, so one reference taken before the server starts can be
@@ -317,8 +319,8 @@ def main() -> None:
     ap.add_argument("--vllm", default=None, metavar="PYTHON",
                     help="also vLLM's OpenAI server run by this interpreter (e.g. .venv-vllm/bin/python) on the "
                          "exported Hugging Face folder, bf16")
-    ap.add_argument("--int8-act", action="store_true",
-                    help="also serve with `cmf serve --int8-act` (int8 activations: q8 and 4-bit files) in the same run")
+    ap.add_argument("--exact-act", action="store_true",
+                    help="also serve with `cmf serve --exact-act` (float activations) in the same run")
     ap.add_argument("--ref-rounds", type=int, default=5,
                     help="rounds of one stream alternated with cmf bench for the vs-bench ratio (0: skip)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
@@ -343,26 +345,26 @@ def main() -> None:
             NO_EOS.update({str(i): -100 for i in sorted(m.tokenizer.eos_ids)})
             tokenizer, ctx = m.tokenizer, m.ctx_size
             tokenizer.encode("warm")
-        ref = reference(model, args.max_tokens, args.threads)
-        print(f"cmf bench tg{args.max_tokens}: {ref:.1f} tokens/s", file=sys.stderr, flush=True)
+        ref = reference(model, args.max_tokens, args.threads, int8=True)
+        print(f"cmf bench --int8-act tg{args.max_tokens}: {ref:.1f} tokens/s", file=sys.stderr, flush=True)
         extra = ["--alias", "bench", "--parallel", str(args.parallel)] + (["-t", str(args.threads)] if args.threads else [])
         proc, host, port = start_server(model, extra)
         try:
             cmf_levels = run_levels(host, port, levels, args, texts)
-            single = single_vs_bench(host, port, model, args, texts)
+            single = single_vs_bench(host, port, model, args, texts, int8=True)
             turns = run_turns(host, port, tokenizer, args.history, 32) if args.history else None
         finally:
             stop(proc)
         int8_levels: list[dict] = []
         single8 = None
         ref8 = 0.0
-        if args.int8_act:
-            ref8 = reference(model, args.max_tokens, args.threads, int8=True)
-            print(f"cmf bench --int8-act tg{args.max_tokens}: {ref8:.1f} tokens/s", file=sys.stderr, flush=True)
-            proc, host, port = start_server(model, extra + ["--int8-act"])
+        if args.exact_act:
+            ref8 = reference(model, args.max_tokens, args.threads)
+            print(f"cmf bench tg{args.max_tokens}: {ref8:.1f} tokens/s", file=sys.stderr, flush=True)
+            proc, host, port = start_server(model, extra + ["--exact-act"])
             try:
                 int8_levels = run_levels(host, port, levels, args, texts)
-                single8 = single_vs_bench(host, port, model, args, texts, int8=True)
+                single8 = single_vs_bench(host, port, model, args, texts)
             finally:
                 stop(proc)
         llama_levels: list[dict] = []
@@ -423,12 +425,12 @@ def main() -> None:
             "median of one answer's tokens / (its end − its first token); TTFT = first content chunk as the "
             "client sees it (queueing included); engine t/s = the decode rate cmf reports per request. "
             f"Load average (1 min) before/after: {load_before:.2f} / {load_after:.2f}.\n\n"
-            f"`cmf bench` tg{args.max_tokens} on the same file, this process, before the server: "
-            f"**{ref:.1f} tokens/s**.\n\n#### cmf serve --parallel {args.parallel}\n\n"
+            f"`cmf bench --int8-act` tg{args.max_tokens} on the same file, this process, before the server: "
+            f"**{ref:.1f} tokens/s**.\n\n#### cmf serve --parallel {args.parallel} (its default: int8 activations)\n\n"
             + table(headers, rows_of(cmf_levels, ref, single)) + "\n" + single_text(single, args.max_tokens))
     if int8_levels:
-        text += (f"\n#### cmf serve --parallel {args.parallel} --int8-act\n\nInt8 activations (integer products; "
-                 f"`cmf bench --int8-act` tg{args.max_tokens}: **{ref8:.1f} tokens/s**).\n\n"
+        text += (f"\n#### cmf serve --parallel {args.parallel} --exact-act\n\nFloat activations (plain "
+                 f"`cmf bench` tg{args.max_tokens}: **{ref8:.1f} tokens/s**).\n\n"
                  + table(headers, rows_of(int8_levels, ref8, single8)) + "\n" + single_text(single8, args.max_tokens))
     if turns:
         text += (f"\nSecond chat turn on a ~{args.history}-token history (median of 3 conversations): first turn "
@@ -449,7 +451,7 @@ def main() -> None:
                         if r["tps"]) + "\n"
         if int8_levels:
             agg8 = {r["clients"]: r["tps"] for r in int8_levels}
-            text += "".join(f"\n- {r['clients']} streams: cmf serve --int8-act {agg8.get(r['clients'], 0):.1f} t/s "
+            text += "".join(f"\n- {r['clients']} streams: cmf serve --exact-act {agg8.get(r['clients'], 0):.1f} t/s "
                             f"= {agg8.get(r['clients'], 0) / r['tps']:.2f}× vLLM's {r['tps']:.1f}"
                             for r in vllm_levels if r["tps"]) + "\n"
     print(text)

@@ -587,6 +587,56 @@ def test_cli_refuses_skill_file_and_bad_file(tmp_path, capsys):
     assert "cmf: error:" in capsys.readouterr().err
 
 
+def test_server_activations_rule(monkeypatch):
+    """`cmf serve` runs int8 activations unless --exact-act or CMF_INT8_ACT=0; both flags at once
+    are a usage error (exit 2, one line)."""
+    import argparse
+
+    from cmf.tools import UsageError
+    from cmf.tools.serve import server_int8
+
+    def ns(**kw):
+        return argparse.Namespace(**{"int8_act": None, "exact_act": False, **kw})
+
+    monkeypatch.delenv("CMF_INT8_ACT", raising=False)
+    assert server_int8(ns()) is True
+    assert server_int8(ns(exact_act=True)) is False
+    assert server_int8(ns(int8_act=True)) is True
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("CMF_INT8_ACT", off)
+        assert server_int8(ns()) is False
+        assert server_int8(ns(int8_act=True)) is True  # the flag wins over the environment
+    monkeypatch.setenv("CMF_INT8_ACT", "1")
+    assert server_int8(ns()) is True
+    with pytest.raises(UsageError, match="contradict"):
+        server_int8(ns(int8_act=True, exact_act=True))
+
+
+def test_cli_usage_errors_are_one_line(model_path, capsys):
+    assert main(["serve", str(model_path), "--int8-act", "--exact-act"]) == 2
+    assert capsys.readouterr().err == "cmf: error: --int8-act and --exact-act contradict each other; give one\n"
+    assert main(["serve", str(model_path), "--max-queue", "-1"]) == 2
+    assert capsys.readouterr().err == "cmf: error: --max-queue must be >= 0, got -1\n"
+
+
+def test_app_reports_its_activations(model_path):
+    """/health and the model card say which activations the loaded model runs."""
+    for int8, want in ((True, "int8"), (False, "exact")):
+        model = cmf.load(model_path, int8_activations=int8)
+        eng = Engine(model, max_queue=4)
+        try:
+            with ServerThread(create_app(eng, model_id="m")) as srv:
+                conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
+                conn.request("GET", "/health")
+                assert json.loads(conn.getresponse().read())["activations"] == want
+                conn.request("GET", "/v1/models/m")
+                assert json.loads(conn.getresponse().read())["cmf"]["activations"] == want
+                conn.close()
+        finally:
+            eng.close()
+            model.close()
+
+
 def test_cli_serves_until_interrupted(model_path, tmp_path):
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--alias", "cli-model",
            "--api-key", KEY, "--max-queue", "4"]
@@ -599,10 +649,16 @@ def test_cli_serves_until_interrupted(model_path, tmp_path):
             if not line and proc.poll() is not None:
                 break
         assert "serving cli-model" in line, line
+        assert "int8 activations" in line, line  # the server's default on a q8 file
         url = line.split(" on ", 1)[1].split()[0]
         c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
         r = c.chat.completions.create(model="cli-model", messages=HELLO, max_tokens=3, temperature=0)
         assert r.usage.completion_tokens >= 1
+        hostport = url.split("//", 1)[1].split("/", 1)[0]
+        conn = http.client.HTTPConnection(*hostport.rsplit(":", 1), timeout=30)
+        conn.request("GET", "/health")
+        assert json.loads(conn.getresponse().read())["activations"] == "int8"
+        conn.close()
         proc.send_signal(2)  # SIGINT, as Ctrl-C
         rest = proc.communicate(timeout=30)[1]
         assert "method=POST path=/v1/chat/completions status=200" in rest

@@ -22,7 +22,7 @@ import traceback
 from typing import Sequence
 
 from . import __version__
-from .tools import sanitize
+from .tools import UsageError, sanitize
 
 # verb -> (module in cmf.tools, one-line summary). The summaries are repeated by each module's
 # add_parser (tests check that they agree) so that `cmf --help` needs no tool import.
@@ -159,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if verbose:
             traceback.print_exc(file=sys.stderr)
-        if isinstance(exc, (CmfError, OSError)):
+        if isinstance(exc, UsageError):
+            _error(str(exc))
+        elif isinstance(exc, (CmfError, OSError)):
             _error(_os_message(exc) if isinstance(exc, OSError) and not isinstance(exc, CmfError) else str(exc))
         else:
             _error(f"internal error: {type(exc).__name__}: {exc}"

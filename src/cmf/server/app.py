@@ -78,7 +78,8 @@ class _Api:
         # measured quality stay available to clients (the web UI's model panel) under this key.
         d["skill_info"] = d.get("skills", [])
         d.update(ctx_size=self.model.ctx_size, default_task=self.engine.default_task,
-                 default_skill=self.engine.default_skill, tasks=self.model.tasks, skills=self.model.skills)
+                 default_skill=self.engine.default_skill, tasks=self.model.tasks, skills=self.model.skills,
+                 activations="int8" if getattr(self.model, "int8_activations", False) else "exact")
         return d
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -209,7 +210,8 @@ class _Api:
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         state = self.watch.state()
-        body: dict[str, Any] = {"status": "ok", "model": self.model_id, "engine": self.engine.snapshot()}
+        body: dict[str, Any] = {"status": "ok", "model": self.model_id, "engine": self.engine.snapshot(),
+                                "activations": self.info["activations"]}
         if state != "ok":
             body["file"] = state
         try:

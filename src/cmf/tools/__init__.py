@@ -13,7 +13,12 @@ import sys
 import unicodedata
 from typing import Any, Iterable
 
-__all__ = ["sanitize", "fmt_bytes", "fmt_count", "fmt_ranges", "print_json", "table"]
+__all__ = ["UsageError", "sanitize", "fmt_bytes", "fmt_count", "fmt_ranges", "print_json", "table"]
+
+
+class UsageError(ValueError):
+    """A command's arguments or input do not make sense together; the CLI prints the message
+    alone (no "internal error", no traceback) and exits with the usage status."""
 
 # Characters that can move the cursor, recolour the terminal or reorder text when printed:
 # every Unicode control (C0, DEL, C1), line/paragraph separators and the bidi overrides.

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import UsageError
+
 log = logging.getLogger(__name__)
 
 ENGINES = ("pycmf", "pycmf-int8", "hf", "llama.cpp")
@@ -229,7 +231,7 @@ def compare(model: str | os.PathLike[str], engines: list[str], *, n_prompt: int 
     model = Path(model)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)} (known: {', '.join(ENGINES)})")
+        raise UsageError(f"unknown engine(s) {', '.join(unknown)} (known: {', '.join(ENGINES)})")
     if "pycmf" not in engines:
         engines = ["pycmf"] + engines
     with tempfile.TemporaryDirectory(prefix="cmf-bench-") as d:

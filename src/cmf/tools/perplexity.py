@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from . import UsageError
 from ._runtime_args import add_model_options, load_model
 
 NAME = "ppl"
@@ -55,7 +56,7 @@ def perplexity(model, ids: list[int], window: int, chunks: int | None = None, on
     if chunks is not None:
         n_win = min(n_win, chunks)
     if n_win == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
+        raise UsageError(f"the text has {len(ids)} tokens, fewer than one window of {window}")
     nll: list[float] = []
     routes: dict[str, int] = {}
     auto = getattr(model, "auto", None)

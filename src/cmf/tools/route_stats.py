@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import UsageError
 from ._runtime_args import add_model_options, load_model
 
 NAME = "route-stats"
@@ -39,9 +40,9 @@ def route_stats(model, ids: list[int], window: int = 512) -> dict[str, list[int]
     MoE layers or an empty text.
     """
     if not model.moe_layers:
-        raise ValueError("the model has no MoE layers: nothing to count")
+        raise UsageError("the model has no MoE layers: nothing to count")
     if not ids:
-        raise ValueError("the text encodes to no tokens")
+        raise UsageError("the text encodes to no tokens")
     window = max(1, min(int(window), model.ctx_size))
     model.reset_route_stats()
     model.collect_route_stats(True)
