@@ -12,7 +12,7 @@ import stat
 import numpy as np
 import pytest
 
-from cmf.format._atomic import current_umask, output_mode
+from cmf.format.atomic import current_umask, output_mode
 from cmf.format.growth import append, compact
 from cmf.format.reader import open as cmf_open
 from cmf.format.signature import sign_file

@@ -18,18 +18,8 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = SRC / "cmf"
 
-# Known private cross-package imports, each to be made public (issue 27): the atomic-write
-# helpers of cmf.format used by the other writers, and the HF export's writers (_write_json,
-# _write_tokenizer, _Out, _values) that the vLLM integration reuses. No other may be added.
-ALLOWED_PRIVATE = {
-    ("cmf.integrations.vllm.materialize", "cmf.convert.export"),
-    ("cmf.integrations.vllm.weights", "cmf.convert.export"),
-    ("cmf.convert.export", "cmf.format._atomic"),
-    ("cmf.convert.gguf_export", "cmf.format._atomic"),
-    ("cmf.image.txt2img", "cmf.format._atomic"),
-    ("cmf.tools._skill_graft", "cmf.format._atomic"),
-    ("cmf.tools.mask_create", "cmf.format._atomic"),
-}
+# No private cross-package import is allowed (the last ones were made public for issue 27).
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..format._atomic import apply_output_mode
+from ..format.atomic import apply_output_mode
 from ..format.header import as_arch
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open
@@ -185,7 +185,7 @@ def _rebuild(a: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class _Out:
+class OutTensor:
     """One output tensor and how to produce it."""
 
     name: str
@@ -201,7 +201,7 @@ def _mtp_kind(mt: str, names: list[str]) -> str | None:
     return "qwen" if p is None else p.mtp_style
 
 
-def tensor_plan(f: CmfFile, mt: str) -> list[_Out]:
+def tensor_plan(f: CmfFile, mt: str) -> list[OutTensor]:
     """The HF tensors to write (hub names) and the CMF tensors each is built from."""
     arch = f.header.arch.raw
     family = family_of(mt)
@@ -213,26 +213,26 @@ def tensor_plan(f: CmfFile, mt: str) -> list[_Out]:
                                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")}
     fused = fuse_groups(family, names, shapes, dims)
     consumed = {p for fz in fused for p in fz.parts}
-    outs: list[_Out] = []
+    outs: list[OutTensor] = []
     for fz in fused:
         missing = [p for p in fz.parts if p not in shapes]
         if missing:
             raise ConvertError(f"cannot rebuild {fz.name}: missing {', '.join(missing)}")
         rows = sum(b - a for r in fz.rows for a, b in r)
-        outs.append(_Out(table.backward(fz.name), (rows,) + tuple(shapes[fz.parts[0]][1:]), fz.parts, fz))
+        outs.append(OutTensor(table.backward(fz.name), (rows,) + tuple(shapes[fz.parts[0]][1:]), fz.parts, fz))
     for n in names:
         if n in consumed:
             continue
-        outs.append(_Out(table.backward(n), shapes[n], (n,)))
+        outs.append(OutTensor(table.backward(n), shapes[n], (n,)))
     if mtp == "deepseek":
         # The hub keeps copies of the shared head and embedding inside the MTP module.
         mtp_cfg = arch.get("mtp") or {}
         n_layers = int(arch["num_layers"])
         head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
         if mtp_cfg.get("share_lm_head", True) and "model.mtp.lm_head.weight" not in shapes:
-            outs.append(_Out(f"model.layers.{n_layers}.shared_head.head.weight", shapes[head], (head,)))
+            outs.append(OutTensor(f"model.layers.{n_layers}.shared_head.head.weight", shapes[head], (head,)))
         if mtp_cfg.get("share_embed", True) and "model.mtp.embed_tokens.weight" not in shapes:
-            outs.append(_Out(f"model.layers.{n_layers}.embed_tokens.weight", shapes["model.embed_tokens.weight"],
+            outs.append(OutTensor(f"model.layers.{n_layers}.embed_tokens.weight", shapes["model.embed_tokens.weight"],
                              ("model.embed_tokens.weight",)))
     seen: set[str] = set()
     for o in outs:
@@ -243,7 +243,9 @@ def tensor_plan(f: CmfFile, mt: str) -> list[_Out]:
     return outs
 
 
-def _values(f: CmfFile, o: _Out, mla: MlaLayout | None = None) -> np.ndarray:
+def tensor_values(f: CmfFile, o: OutTensor, mla: MlaLayout | None = None) -> np.ndarray:
+    """The float32 values of one output tensor of :func:`tensor_plan` (fused parts joined, MLA
+    rows in Hugging Face order)."""
     if o.fuse is None:
         # MLA projections go back to the Hugging Face row order (mla_layout.py)
         return hf_rows(mla, o.parts[0], f.array(o.parts[0]))
@@ -270,8 +272,8 @@ def _encode(arr: np.ndarray, dtype: str) -> memoryview:
     return memoryview(data.reshape(-1).view(np.uint8))
 
 
-def _write_safetensors(path: Path, entries: list[tuple[_Out, int]], dtype: str,
-                       produce: Callable[[_Out], memoryview]) -> None:
+def _write_safetensors(path: Path, entries: list[tuple[OutTensor, int]], dtype: str,
+                       produce: Callable[[OutTensor], memoryview]) -> None:
     """One safetensors file, header first, payloads streamed in header order."""
     st_dtype = EXPORT_DTYPES[dtype][0]
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -318,7 +320,8 @@ def _token_text(tokenizer_json: bytes | None, tid: int | None) -> str | None:
     return None
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented UTF-8 JSON (the files beside the weights)."""
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -352,7 +355,7 @@ def export(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
         out.mkdir(parents=True, exist_ok=True)
         itemsize = EXPORT_DTYPES[dtype][1]
         sized = [(o, itemsize * math.prod(o.shape)) for o in outs]
-        shards: list[list[tuple[_Out, int]]] = [[]]
+        shards: list[list[tuple[OutTensor, int]]] = [[]]
         acc = 0
         for o, nb in sized:
             if shards[-1] and acc + nb > max_shard_bytes:
@@ -364,8 +367,8 @@ def export(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
         files = [out / ("model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors")
                  for i in range(count)]
 
-        def produce(o: _Out) -> memoryview:
-            mv = _encode(_values(f, o, mla), dtype)
+        def produce(o: OutTensor) -> memoryview:
+            mv = _encode(tensor_values(f, o, mla), dtype)
             if progress is not None:
                 progress(len(mv))
             return mv
@@ -377,19 +380,21 @@ def export(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
                 stale.unlink()
         index = out / "model.safetensors.index.json"
         if count > 1:
-            _write_json(index, {"metadata": {"total_size": sum(nb for _, nb in sized)},
+            write_json(index, {"metadata": {"total_size": sum(nb for _, nb in sized)},
                                 "weight_map": {o.name: p.name for p, es in zip(files, shards) for o, _ in es}})
         elif index.exists():
             index.unlink()
-        _write_json(out / "config.json", cfg)
-        _write_tokenizer(out, f, prov)
+        write_json(out / "config.json", cfg)
+        write_tokenizer(out, f, prov)
     size = sum(p.stat().st_size for p in files)
     res = ExportResult(out, files, len(outs), dtype, size, time.perf_counter() - t0)
     log.info("exported %d tensors (%s) to %s", res.tensors, dtype, out)
     return res
 
 
-def _write_tokenizer(out: Path, f: CmfFile, prov: Any) -> None:
+def write_tokenizer(out: Path, f: CmfFile, prov: Any) -> None:
+    """The tokenizer and generation files of the export folder ``out`` from ``f``'s header and
+    ``prov`` (the file's provenance record)."""
     prov = prov if isinstance(prov, dict) else {}
     tc = f.header.tokenizer_config
     tj = f.tokenizer_json
@@ -405,7 +410,7 @@ def _write_tokenizer(out: Path, f: CmfFile, prov: Any) -> None:
             for k in ("bos_token_id", "pad_token_id"):
                 if getattr(tc, k) is not None:
                     gen[k] = getattr(tc, k)
-    _write_json(out / "generation_config.json", gen)
+    write_json(out / "generation_config.json", gen)
     tok_cfg = prov.get("hf_tokenizer_config")
     if not isinstance(tok_cfg, dict):
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
@@ -416,7 +421,7 @@ def _write_tokenizer(out: Path, f: CmfFile, prov: Any) -> None:
                 if text is not None:
                     tok_cfg[key] = text
     if tj is not None or prov.get("hf_tokenizer_config") is not None:
-        _write_json(out / "tokenizer_config.json", tok_cfg)
+        write_json(out / "tokenizer_config.json", tok_cfg)
     if tc is not None and tc.chat_template:
         (out / "chat_template.jinja").write_text(tc.chat_template, encoding="utf-8")
 

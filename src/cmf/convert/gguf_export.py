@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format._atomic import apply_output_mode
+from ..format.atomic import apply_output_mode
 from ..format.reader import open as cmf_open
 from .gguf import NAME_TABLE, permute_qk
 from .gguf_scan import GgufError

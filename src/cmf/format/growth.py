@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .constants import ENVELOPE_SIZE
 from .directory import encode_directory
 from .envelope import Envelope, Section
-from ._atomic import io_error
+from .atomic import io_error
 from .errors import CmfError, HashMismatch, ShardError, WriterError
 from .hash64 import hash64, hash64_hex
 from .header import parse_header, serialize_header

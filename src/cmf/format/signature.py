@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ._atomic import apply_output_mode
+from .atomic import apply_output_mode
 from .errors import IoError, SignatureError
 
 log = logging.getLogger(__name__)

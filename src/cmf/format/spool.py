@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ._atomic import apply_output_mode
+from .atomic import apply_output_mode
 from .constants import LARGE_TENSOR_ALIGN, LARGE_TENSOR_BYTES, TENSOR_ALIGN, Dtype
 from .errors import IoError
 

@@ -6,7 +6,7 @@ after it, data at the next multiple of 4096 (tensors 64-aligned, payloads ≥ 16
 then masks, vocab and sparse index back to back. The file is written under a temporary name in the
 same folder, fsynced and renamed into place: a failure never leaves a partial file under the
 target name and never touches an existing file there. The output gets the mode a plain ``open``
-would give it (an existing target's mode is kept; see ``_atomic``).
+would give it (an existing target's mode is kept; see ``atomic``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .constants import (
     Feature,
     DTYPE_BY_LABEL,
 )
-from ._atomic import apply_output_mode, check_writable, io_error
+from .atomic import apply_output_mode, check_writable, io_error
 from .directory import encode_directory
 from .dtypes import validate_payload
 from .envelope import Envelope, Section

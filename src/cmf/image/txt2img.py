@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .. import __version__
-from ..format._atomic import apply_output_mode
+from ..format.atomic import apply_output_mode
 from .errors import ImageError, MissingDependency
 
 SIZE_MULTIPLE = 16  # Lumina2: VAE scale 8 x patch size 2

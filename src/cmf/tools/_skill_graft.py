@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..format.errors import CmfError
-from ..format._atomic import check_writable
+from ..format.atomic import check_writable
 from ..format.growth import append
 from ..format.reader import CmfFile
 from ..format.reader import open as cmf_open

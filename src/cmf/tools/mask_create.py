@@ -210,7 +210,7 @@ def create_mask(model_path: str | os.PathLike, name: str, calib: str | os.PathLi
         raise CmfError("a mask needs a --name")
     if in_place == (out is not None):
         raise CmfError("give exactly one of an output path (-o) and --in-place")
-    from ..format._atomic import check_writable
+    from ..format.atomic import check_writable
 
     if in_place or Path(out).parent.is_dir():  # type: ignore[arg-type] - a missing folder: the writer's error
         check_writable(model_path if in_place else out, in_place=in_place)  # before the calibration

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ...convert.export import EXPORT_DTYPES, TORCH_NAMES, _write_json, _write_tokenizer, config_for
+from ...convert.export import EXPORT_DTYPES, TORCH_NAMES, config_for, write_json, write_tokenizer
 from ...format.hash64 import hash64
 from ...format.reader import CmfFile
 from ...format.reader import open as cmf_open
@@ -88,14 +88,14 @@ def write_folder(f: CmfFile, out: Path, quantized: str = "dequantize", skill: st
         else:
             log.warning("%s: quantized=keep, but no weight has a layout vLLM takes exactly; all are dequantized", f.path)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", cfg)
-    _write_tokenizer(out, f, prov)
+    write_json(out / "config.json", cfg)
+    write_tokenizer(out, f, prov)
     rec = _source_record(f)
     rec["model_type"] = mt
     rec["quantized"] = quantized
     rec["skill"] = skill if quantized == "keep" else None
     rec["kept"] = kept
-    _write_json(out / SOURCE_FILE, rec)
+    write_json(out / SOURCE_FILE, rec)
     return rec
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ...convert.export import _Out, _values, config_for, tensor_plan
+from ...convert.export import OutTensor, config_for, tensor_plan, tensor_values
 from ...convert.mla_layout import export_layout
 from ...format.reader import CmfFile, QTensor
 from .errors import IntegrityRefused, UnsupportedSelection
@@ -159,7 +159,7 @@ def check_task(file: CmfFile, task: str | None, skill: str | None) -> str | None
     return name
 
 
-def hf_plan(file: CmfFile, skill: str | None = None) -> tuple[SkillView, list[_Out], Any, str]:
+def hf_plan(file: CmfFile, skill: str | None = None) -> tuple[SkillView, list[OutTensor], Any, str]:
     """(view, the export's tensor plan, MLA layout, model_type) for ``file`` with ``skill`` active."""
     view = SkillView(file, skill)
     cfg, mt = config_for(file.header.arch.raw, file.header.provenance)
@@ -210,4 +210,4 @@ def iter_hf_tensors(file: CmfFile, skill: str | None = None,
             for name, arr in kept_arrays(view, o.name, *kept[o.name]):  # type: ignore[arg-type]
                 yield name, arr, False
         else:
-            yield o.name, _values(view, o, mla), True  # type: ignore[arg-type]
+            yield o.name, tensor_values(view, o, mla), True  # type: ignore[arg-type]
