@@ -200,6 +200,50 @@ def test_quant_does_not_import_kernels():
     assert bad == []
 
 
+def test_format_does_not_import_quant():
+    """The container sits below the codecs: cmf.format reaches cmf.quant only through cmf.hooks
+    (wired by the package root), never by an import, lazy or not."""
+    bad = [(mod, t) for mod, tree in TREES.items() if _package(mod) == "cmf.format"
+           for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+           for t, _ in _targets(mod, node) if _package(t) == "cmf.quant"]
+    assert bad == []
+
+
+def test_the_root_wires_the_codecs():
+    import sys
+
+    import cmf
+    from cmf import hooks
+
+    assert hooks.codec() is sys.modules["cmf.quant"] and cmf.__version__
+
+
+def test_without_a_codec_the_container_says_which_tensor(tmp_path, monkeypatch):
+    """cmf.hooks unwired (as a program that replaced the provider): float tensors still read and
+    write; a quantized one is a typed error naming the tensor, not an AttributeError."""
+    import numpy as np
+
+    from _builders import header
+    from cmf import hooks
+    from cmf.format.errors import UnsupportedDtype
+    from cmf.format.reader import open as cmf_open
+    from cmf.format.writer import CmfWriter
+
+    path = tmp_path / "m.cmf"
+    with CmfWriter(path, header()) as w:
+        w.add_array("a.f32", np.ones((4, 32), np.float32))
+        w.add_array("a.q8", np.ones((4, 32), np.float32), "q8_row")
+    monkeypatch.setattr(hooks, "_provider", None)
+    monkeypatch.setattr(hooks, "_codec", None)
+    with cmf_open(path) as f:
+        assert f.array("a.f32").sum() == 128
+        with pytest.raises(UnsupportedDtype, match="'a.q8'"):
+            f.array("a.q8")
+    with pytest.raises(UnsupportedDtype, match="'b'"):
+        with CmfWriter(tmp_path / "n.cmf", header()) as w:
+            w.add_array("b", np.ones((4, 32), np.float32), "q8_row")
+
+
 def test_no_lazy_cycles_up_to_the_runtime():
     """In cmf.format, cmf.numba_prims, cmf.quant, cmf.kernels and cmf.runtime not even imports
     inside functions form a cycle between modules (the batched products: each family's body is in

@@ -9,6 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+
+def _codecs():  # noqa: ANN202 - the cmf.quant module
+    from . import quant
+
+    return quant
+
+
+# The container (cmf.format) decodes and encodes quantized tensors through cmf.hooks; the codecs
+# that do it (cmf.quant) sit above it, so the wiring is done here, before any cmf module runs.
+from . import hooks as _hooks  # noqa: E402 - after __version__, which the CLI reads first
+
+_hooks.set_codec_provider(_codecs)
+
 _LAZY = {
     "open": ("cmf.format.reader", "open"),
     "CmfFile": ("cmf.format.reader", "CmfFile"),

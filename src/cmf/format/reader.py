@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .. import hooks
 from .constants import Dtype, Feature
 from .envelope import Envelope
 from .errors import CmfError, IoError, MissingTensor, ParseError, UnsupportedDtype
@@ -171,10 +172,12 @@ class CmfFile:
         if t.dtype == Dtype.U8:
             return buf.copy().reshape(t.shape) if t.numel == t.nbytes else buf.copy()
         try:
-            from .. import quant  # lazy: the codec layer sits above the container
+            codec = hooks.codec()  # cmf.quant, wired by the package root (the codecs sit above us)
         except ImportError:  # pragma: no cover - partial install
-            raise UnsupportedDtype(f"tensor {name!r}: no decoder for {t.dtype.label}") from None
-        return quant.decode(buf, t.dtype, t.shape)
+            codec = None
+        if codec is None:
+            raise UnsupportedDtype(f"tensor {name!r}: no decoder for {t.dtype.label}")
+        return codec.decode(buf, t.dtype, t.shape)
 
     # -- metadata --------------------------------------------------------------------------------
     @property

@@ -28,11 +28,12 @@ from .constants import (
     Feature,
     DTYPE_BY_LABEL,
 )
+from .. import hooks
 from .atomic import apply_output_mode, check_writable, io_error
 from .directory import encode_directory
 from .dtypes import validate_payload
 from .envelope import Envelope, Section
-from .errors import BoundsError, CmfError, ParseError, WriterError
+from .errors import BoundsError, CmfError, ParseError, UnsupportedDtype, WriterError
 from .hash64 import hash64, hash64_hex
 from .header import parse_header, serialize_header
 from .masks import MaskSet, encode_masks
@@ -231,10 +232,11 @@ class CmfWriter:
         if dt == Dtype.F32:
             payload: Payload = np.ascontiguousarray(arr, dtype="<f4")
         else:
-            from .. import quant  # lazy: codecs sit above the container layer
-
+            codec = hooks.codec()  # cmf.quant, wired by the package root (the codecs sit above us)
+            if codec is None:  # only without the package root's wiring
+                raise UnsupportedDtype(f"tensor {name!r}: no encoder for {dt.label}")
             # pass the alias itself so e.g. "q1p" keeps its error-diffusion option
-            payload = quant.encode(arr, dtype if isinstance(dtype, str) else dt, **options)
+            payload = codec.encode(arr, dtype if isinstance(dtype, str) else dt, **options)
         return self.add(name, dt, arr.shape, payload)
 
     def _spool_for(self, nbytes: int) -> Spool:
