@@ -408,31 +408,38 @@ def test_long_prompt_is_prefilled_between_decode_steps(model_path):
         _close(*parts)
 
 
-def test_channel_hands_over_at_most_once_per_interval():
-    """The first event goes out at once; later ones wait for the interval and go out together."""
+def _channel_handovers(interval: float, script: list, expect: int) -> list[tuple[float, list]]:
+    """A worker thread puts ``script``'s events into a Channel (a float in it: sleep that long);
+    the coroutine's hand-overs until ``expect`` events came: (seconds since start, events)."""
     import asyncio
     import threading
 
     from cmf.server.plumbing import Channel
 
     async def main() -> list[tuple[float, list]]:
-        chan = Channel(interval=0.2)
+        chan = Channel(interval=interval)
         t0 = time.perf_counter()
 
         def worker() -> None:
-            chan.put("a")
-            time.sleep(0.02)
-            chan.put("b")
-            chan.put("c")
+            for item in script:
+                if isinstance(item, float):
+                    time.sleep(item)
+                else:
+                    chan.put(item)
 
         threading.Thread(target=worker).start()
-        got = []
-        while sum(len(g) for _, g in got) < 3:
+        got: list[tuple[float, list]] = []
+        while sum(len(g) for _, g in got) < expect:
             evs = await chan.get()
             got.append((time.perf_counter() - t0, evs))
         return got
 
-    got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_channel_hands_over_at_most_once_per_interval():
+    """The first event goes out at once; later ones wait for the interval and go out together."""
+    got = _channel_handovers(0.2, ["a", 0.02, "b", "c"], 3)
     assert got[0][1] == ["a"] and got[0][0] < 0.15
     assert [e for _, g in got[1:] for e in g] == ["b", "c"] and got[1][0] >= 0.19
 
@@ -441,33 +448,12 @@ def test_channel_hands_over_at_most_once_per_interval():
 def test_channel_final_event_cuts_the_interval_short(pair):
     """A job's end (Finished, also as an n > 1 request's (index, event) pair) goes out at once,
     with the deltas that waited for the interval, not after the interval's idle rest."""
-    import asyncio
-    import threading
-
     from cmf.server.jobs import Delta, Finished
-    from cmf.server.plumbing import Channel
 
     wrap = (lambda ev: (0, ev)) if pair else (lambda ev: ev)
     done = Finished("length", 3, 2)
-
-    async def main() -> list[tuple[float, list]]:
-        chan = Channel(interval=1.0)
-        t0 = time.perf_counter()
-
-        def worker() -> None:
-            chan.put(wrap(Delta("a", [])))
-            time.sleep(0.05)  # the coroutine is in its interval's pause now
-            chan.put(wrap(Delta("b", [])))
-            chan.put(wrap(done))
-
-        threading.Thread(target=worker).start()
-        got = []
-        while sum(len(g) for _, g in got) < 3:
-            evs = await chan.get()
-            got.append((time.perf_counter() - t0, evs))
-        return got
-
-    got = asyncio.run(main())
+    # the second put comes while the coroutine pauses out its 1 s interval
+    got = _channel_handovers(1.0, [wrap(Delta("a", [])), 0.05, wrap(Delta("b", [])), wrap(done)], 3)
     assert got[0][1] == [wrap(Delta("a", []))]
     assert [e for _, g in got[1:] for e in g] == [wrap(Delta("b", [])), wrap(done)]
     assert got[-1][0] < 0.5, got  # not the 1 s interval
