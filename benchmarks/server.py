@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import http.client
+import itertools
 import json
 import os
 import socket
@@ -158,9 +159,17 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+_LEVELS = itertools.count()  # every run_level call's number, for prompts no earlier request sent
+UNIQUE_PROMPTS = True  # main() sets it from --repeat-prompts
+
+
 def run_level(host: str, port: int, clients: int, per_client: int, texts: list[str],
               max_tokens: int) -> dict[str, float]:
-    """``clients`` threads × ``per_client`` sequential requests; aggregate figures."""
+    """``clients`` threads × ``per_client`` sequential requests; aggregate figures. Each prompt
+    starts with a tag no earlier request had (unless --repeat-prompts): a prompt sent again
+    would come from the prefix cache on the second pass (both servers cache prefixes), so the
+    repeated levels of ``--runs`` would measure a different load than the first."""
+    level = next(_LEVELS)
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -169,7 +178,10 @@ def run_level(host: str, port: int, clients: int, per_client: int, texts: list[s
     def client(i: int) -> None:
         start.wait()
         for j in range(per_client):
-            msg = [{"role": "user", "content": texts[(i * per_client + j) % len(texts)]}]
+            text = texts[(i * per_client + j) % len(texts)]
+            if UNIQUE_PROMPTS:
+                text = f"(Request {level}.{i}.{j}) {text}"
+            msg = [{"role": "user", "content": text}]
             try:
                 res = one_request(host, port, msg, max_tokens)
             except Exception as exc:  # noqa: BLE001 - counted and reported
@@ -323,8 +335,12 @@ def main() -> None:
                     help="also serve with `cmf serve --exact-act` (float activations) in the same run")
     ap.add_argument("--ref-rounds", type=int, default=5,
                     help="rounds of one stream alternated with cmf bench for the vs-bench ratio (0: skip)")
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="send the same prompts in every level and run (the prefix cache then serves the repeats)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
+    global UNIQUE_PROMPTS
+    UNIQUE_PROMPTS = not args.repeat_prompts
     texts = prompts(Path(args.models))
     levels = [int(c) for c in args.clients.split(",")]
     threads = args.threads or os.cpu_count() or 1
@@ -421,7 +437,8 @@ def main() -> None:
             f"--max-tokens {args.max_tokens} --parallel {args.parallel} --history {args.history} --runs {args.runs}"
             f"{f' --threads {args.threads}' if args.threads else ''} --ref-rounds {args.ref_rounds}"
             f"{' --exact-act' if args.exact_act else ''}{' --no-llama' if args.no_llama else ''}"
-            f"{f' --vllm {Path(args.vllm).name}' if args.vllm else ''}`; kernel threads: {threads}. Streaming chat, "
+            f"{f' --vllm {Path(args.vllm).name}' if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}`; "
+            f"kernel threads: {threads}. {'Every prompt sent once (a unique tag first). ' if not args.repeat_prompts else ''}Streaming chat, "
             "greedy, end-of-sequence suppressed by logit_bias (every answer max-tokens long); the clients share "
             "the machine. aggregate = completion tokens of all requests / wall time of the level; per-stream = "
             "median of one answer's tokens / (its end − its first token); TTFT = first content chunk as the "
