@@ -437,7 +437,7 @@ def main() -> None:
             f"--max-tokens {args.max_tokens} --parallel {args.parallel} --history {args.history} --runs {args.runs}"
             f"{f' --threads {args.threads}' if args.threads else ''} --ref-rounds {args.ref_rounds}"
             f"{' --exact-act' if args.exact_act else ''}{' --no-llama' if args.no_llama else ''}"
-            f"{f' --vllm {Path(args.vllm).name}' if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}`; "
+            f"{' --vllm ' + '/'.join(Path(args.vllm).parts[-3:]) if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}`; "
             f"kernel threads: {threads}. {'Every prompt sent once (a unique tag first). ' if not args.repeat_prompts else ''}Streaming chat, "
             "greedy, end-of-sequence suppressed by logit_bias (every answer max-tokens long); the clients share "
             "the machine. aggregate = completion tokens of all requests / wall time of the level; per-stream = "
