@@ -138,3 +138,22 @@ def test_the_compilers_code_pages_are_given_back_after_a_forward(tmp_path) -> No
     assert np.array_equal(affine(np.arange(5)), np.arange(5) * 3 + 1)
     memory.release_compiler_pages()
     assert affine(7) == 22
+
+
+def test_layer_names_are_kept_per_plan_object(tmp_path) -> None:
+    """The names a layer's pages are given back by: its plan's, recomputed once the layer's plan
+    object is replaced (a skill's rebuilt layer)."""
+    import dataclasses
+
+    from cmf.runtime.plan import plan_names
+
+    with cmf.load(_model(tmp_path / "m.cmf", tied=False)) as m:
+        lp = m.plan.layers[0]
+        first = m._layer_names(0)
+        assert first == frozenset(plan_names(lp)) and m._layer_names(0) is first
+        m.plan.layers[0] = dataclasses.replace(lp)
+        try:
+            again = m._layer_names(0)
+            assert again == first and again is not first
+        finally:
+            m.plan.layers[0] = lp
