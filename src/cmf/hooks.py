@@ -33,11 +33,14 @@ def set_codec_provider(load: Callable[[], Codec] | None) -> None:
 
 
 def codec() -> Codec | None:
-    """The codec, loaded on first use; None when no provider is set. An ImportError of the
-    provider (a partial install) propagates to the caller, which says which tensor it was."""
+    """The codec, loaded on first use; None when no provider is set or it cannot be imported (a
+    partial install): the caller then says which tensor it could not decode or encode."""
     global _codec
     if _codec is None and _provider is not None:
-        _codec = _provider()
+        try:
+            _codec = _provider()
+        except ImportError:
+            return None
     return _codec
 
 

@@ -171,10 +171,7 @@ class CmfFile:
             return (buf.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
         if t.dtype == Dtype.U8:
             return buf.copy().reshape(t.shape) if t.numel == t.nbytes else buf.copy()
-        try:
-            codec = hooks.codec()  # cmf.quant, wired by the package root (the codecs sit above us)
-        except ImportError:  # pragma: no cover - partial install
-            codec = None
+        codec = hooks.codec()  # cmf.quant, wired by the package root (the codecs sit above us)
         if codec is None:
             raise UnsupportedDtype(f"tensor {name!r}: no decoder for {t.dtype.label}")
         return codec.decode(buf, t.dtype, t.shape)

@@ -233,7 +233,7 @@ class CmfWriter:
             payload: Payload = np.ascontiguousarray(arr, dtype="<f4")
         else:
             codec = hooks.codec()  # cmf.quant, wired by the package root (the codecs sit above us)
-            if codec is None:  # only without the package root's wiring
+            if codec is None:
                 raise UnsupportedDtype(f"tensor {name!r}: no encoder for {dt.label}")
             # pass the alias itself so e.g. "q1p" keeps its error-diffusion option
             payload = codec.encode(arr, dtype if isinstance(dtype, str) else dt, **options)

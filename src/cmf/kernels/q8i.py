@@ -28,7 +28,6 @@ from .vmath import gated_rows
 from .xprep import group_scale
 
 GROUP = 32
-QUANTIZE_PAR_MIN = 4096  # x elements from which the quantization is split across the threads
 # Vectors from which a block's first pass prefetches the next block into L2. One vector streams
 # the weights at the hardware prefetcher's pace and the explicit prefetches only cost it
 # (SmolLM2-135M q8, one-token products from memory: 3.67 → 3.33 ms a token without them, below the
@@ -175,14 +174,9 @@ def group_par(planes, ss, X, xq, xv, xc, d, Y, offs, sizes, nt, act, width):  # 
     """Every matrix m of the group times every row of X into Y[:, offs[m]:offs[m] + sizes[m]]
     (and the gated activation of the first ``width`` columns when ``act`` ≥ 0), one chunk of
     blocks per thread; X quantized once into xq (xv: the same bytes as int32 words) / xc / d,
-    the vectors split across the threads (a 16 × 1536 block took 12 µs on one) when there are
-    enough of them to pay for a parallel region of its own (a one-token step's x takes well under
-    a microsecond, its region's fork and join several)."""
-    if X.size >= QUANTIZE_PAR_MIN:
-        for t in prange(X.shape[0]):
-            quantize_vector(X, xq, d, xc, t)
-    else:
-        quantize(X, xq, d, xc)
+    the vectors split across the threads (a 16 × 1536 block took 12 µs on one)."""
+    for t in prange(X.shape[0]):
+        quantize_vector(X, xq, d, xc, t)
     for j in prange(nt):
         _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, nt, np.int64(j), act, width)
 

@@ -197,6 +197,7 @@ class ModelMemory:
     def _init_release(self) -> None:
         self._forwards = 0
         self._releaser = PackedSourceReleaser(self.file)
+        self._names_memo: dict[int, tuple[object, frozenset[str]]] = {}  # see _layer_names
 
     def _embed_release_view(self) -> "np.ndarray | None":
         """The embedding's mapped bytes, given back after lookups (:func:`release_pages`) unless a
@@ -226,10 +227,9 @@ class ModelMemory:
         """plan_names of layer ``i``'s plan, kept while that plan object stays (walking the nested
         plan took ~50 µs a layer, 1.6 ms of every prefill forward of SmolLM2)."""
         lp = self.plan.layers[i]
-        memo = self.__dict__.setdefault("_names_memo", {})
-        hit = memo.get(i)
+        hit = self._names_memo.get(i)
         if hit is None or hit[0] is not lp:
-            hit = memo[i] = (lp, frozenset(plan_names(lp)))
+            hit = self._names_memo[i] = (lp, frozenset(plan_names(lp)))
         return hit[1]
 
     def _give_back_head(self) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> None:
+def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True, int8_default: bool = False) -> None:
+    """The model arguments every running command takes (``int8_default``: the command runs int8
+    activations unless told otherwise, as ``cmf serve`` does; its --help says so)."""
     p.add_argument("model", metavar="MODEL", help="a .cmf file, any shard of a set, or a HF folder / hub id")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads for the kernels")
@@ -33,8 +35,9 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True) -> N
                    help="4-bit, q1t and q8 files: int8 activations in decode and prefill (4-bit: one "
                         "int8 piece per value instead of exact mode's three, with VNNI decode ~1.1×, "
                         "prefill ~1.6×; q8: integer products, batched decode and prefill ~2×; ~1e-2 "
-                        "relative error per product, as llama.cpp's Q4_0 / Q8_0; default off, or "
-                        "CMF_INT8_ACT=1)")
+                        "relative error per product, as llama.cpp's Q4_0 / Q8_0; "
+                        + ("default on here (--exact-act turns it off)" if int8_default
+                           else "default off, or CMF_INT8_ACT=1") + ")")
     if sampling:
         p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")
         p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,

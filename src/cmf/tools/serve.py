@@ -22,7 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY)
-    add_model_options(p, sampling=False)
+    add_model_options(p, sampling=False, int8_default=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("CMF_API_KEY"),
