@@ -8,10 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from cmf.runtime.cache import LayerKV
 from cmf.runtime.ops.batch_attend import attend_batch
 from cmf.runtime.ops.decode import attends_serially
+from cmf.runtime.ops.kv_values import to_storage
 from cmf.runtime.ops.rope import RopeProfile
 from cmf.runtime.step import TokenAttention, rope_at
 
@@ -27,28 +29,29 @@ def _attention(softcap: float = 0.0) -> TokenAttention:
     return TokenAttention(attn)
 
 
-def _cache(rng: np.random.Generator, n: int) -> LayerKV:
-    kv = LayerKV(KV, D)
+def _cache(rng: np.random.Generator, n: int, dtype: str = "f32") -> LayerKV:
+    kv = LayerKV(KV, D, dtype=dtype)
     kv.reserve(n)
-    kv.k[:n] = rng.standard_normal((n, KV, D)).astype(np.float32)
-    kv.v[:n] = rng.standard_normal((n, KV, D)).astype(np.float32)
+    kv.k[:n] = to_storage(rng.standard_normal((n, KV, D)).astype(np.float32), kv.k.dtype.type)
+    kv.v[:n] = to_storage(rng.standard_normal((n, KV, D)).astype(np.float32), kv.v.dtype.type)
     kv.n = n
     return kv
 
 
 def _clone(kv: LayerKV) -> LayerKV:
-    c = LayerKV(KV, D)
+    c = LayerKV(KV, D, dtype=kv.dtype)
     c.k, c.v, c.n, c.start = kv.k.copy(), kv.v.copy(), kv.n, kv.start
     return c
 
 
-def test_every_row_equals_the_sequence_alone() -> None:
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_every_row_equals_the_sequence_alone(dtype: str) -> None:
     rng = np.random.default_rng(0)
     lengths = [0, 1, 5, 63, 64, 300, 1100, 1500]  # a fresh cache, a doubling at 64, two long caches
     assert not attends_serially(np.zeros((H, D), np.float32), 1101, 2)  # the long ones take the split path
     for softcap in (0.0, 30.0):
         att = _attention(softcap)
-        caches = [_cache(rng, n) for n in lengths]
+        caches = [_cache(rng, n, dtype) for n in lengths]
         alone = [_clone(c) for c in caches]
         B = len(caches)
         q = rng.standard_normal((B, H, D)).astype(np.float32)

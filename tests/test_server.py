@@ -612,6 +612,25 @@ def test_server_activations_rule(monkeypatch):
         server_int8(ns(int8_act=True, exact_act=True))
 
 
+def test_server_kv_cache_default_and_overrides(monkeypatch):
+    """`cmf serve` stores its KV caches as f16 unless --kv-cache or CMF_KV_CACHE says otherwise;
+    an unknown CMF_KV_CACHE is a usage error, not a silent default."""
+    import argparse
+
+    from cmf.tools import UsageError
+    from cmf.tools.serve import server_kv_cache
+
+    monkeypatch.delenv("CMF_KV_CACHE", raising=False)
+    assert server_kv_cache(argparse.Namespace(kv_cache=None)) == "f16"
+    assert server_kv_cache(argparse.Namespace(kv_cache="f32")) == "f32"
+    monkeypatch.setenv("CMF_KV_CACHE", "F32")
+    assert server_kv_cache(argparse.Namespace(kv_cache=None)) == "f32"
+    assert server_kv_cache(argparse.Namespace(kv_cache="f16")) == "f16"  # the flag wins
+    monkeypatch.setenv("CMF_KV_CACHE", "q8")
+    with pytest.raises(UsageError, match="CMF_KV_CACHE must be f32 or f16"):
+        server_kv_cache(argparse.Namespace(kv_cache=None))
+
+
 def test_cli_usage_errors_are_one_line(model_path, capsys):
     assert main(["serve", str(model_path), "--int8-act", "--exact-act"]) == 2
     assert capsys.readouterr().err == "cmf: error: --int8-act and --exact-act contradict each other; give one\n"
@@ -620,17 +639,19 @@ def test_cli_usage_errors_are_one_line(model_path, capsys):
 
 
 def test_app_reports_its_activations(model_path):
-    """/health and the model card say which activations the loaded model runs."""
-    for int8, want in ((True, "int8"), (False, "exact")):
-        model = cmf.load(model_path, int8_activations=int8)
+    """/health and the model card say which activations and KV cache the loaded model runs."""
+    for int8, want, kv in ((True, "int8", "f16"), (False, "exact", "f32")):
+        model = cmf.load(model_path, int8_activations=int8, kv_cache=kv)
         eng = Engine(model, max_queue=4)
         try:
             with ServerThread(create_app(eng, model_id="m")) as srv:
                 conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
                 conn.request("GET", "/health")
-                assert json.loads(conn.getresponse().read())["activations"] == want
+                health = json.loads(conn.getresponse().read())
+                assert (health["activations"], health["kv_cache"]) == (want, kv)
                 conn.request("GET", "/v1/models/m")
-                assert json.loads(conn.getresponse().read())["cmf"]["activations"] == want
+                card = json.loads(conn.getresponse().read())["cmf"]
+                assert (card["activations"], card["kv_cache"]) == (want, kv)
                 conn.close()
         finally:
             eng.close()
@@ -649,7 +670,7 @@ def test_cli_serves_until_interrupted(model_path, tmp_path):
             if not line and proc.poll() is not None:
                 break
         assert "serving cli-model" in line, line
-        assert "int8 activations" in line, line  # the server's default on a q8 file
+        assert "int8 activations, f16 KV cache" in line, line  # the server's defaults on a q8 file
         url = line.split(" on ", 1)[1].split()[0]
         c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
         r = c.chat.completions.create(model="cli-model", messages=HELLO, max_tokens=3, temperature=0)

@@ -89,11 +89,13 @@ def _stream_text(client, messages, **kw) -> tuple[str, object]:
 # ----------------------------------------------------------------------------------- the runtime
 
 
-@pytest.mark.parametrize("task,skill", [(None, None), ("half", None), (None, "terse")])
-def test_batched_decode_logits_do_not_depend_on_the_batch(model_path, task, skill):
+@pytest.mark.parametrize("task,skill,kv_cache", [(None, None, "f32"), ("half", None, "f32"), (None, "terse", "f32"),
+                                                 (None, None, "f16")])
+def test_batched_decode_logits_do_not_depend_on_the_batch(model_path, task, skill, kv_cache):
     """Each row of a batched decode step equals the one-token forward of that sequence alone
-    (within 1e-5; for q8 the kernels make it exact), whatever the batch holds."""
-    model = cmf.load(model_path, task=task, skill=skill)
+    (within 1e-5; for q8 the kernels make it exact), whatever the batch holds — with an f16 KV
+    cache too (the server's default)."""
+    model = cmf.load(model_path, task=task, skill=skill, kv_cache=kv_cache)
     try:
         tok = model.tokenizer
         prompts = [tok.encode(f"{w} {WORDS[(i + 3) % 8]} {w}") for i, w in enumerate(WORDS[:6])]

@@ -223,9 +223,9 @@ def bytes_per_token(model) -> int:  # noqa: ANN001
     """KV bytes one more position adds to a sequence's cache (linear-attention state is fixed)."""
     n = 0
     for b in model._blocks:
-        st = b.new_state()
+        st = b.new_state(model.kv_cache)
         if isinstance(st, LayerKV):
-            n += 4 * st.kv_heads * (st.head_dim + st.v_dim)
+            n += st.k.itemsize * st.kv_heads * (st.head_dim + st.v_dim)
     return max(n, 1)
 
 
@@ -249,7 +249,7 @@ def clone_prefix(cache: Cache, n: int, reserve: int = 0) -> Cache:
     for layer in cache.layers:
         if isinstance(layer, LayerKV):
             keep = n - layer.start
-            new = LayerKV(layer.kv_heads, layer.head_dim, layer.window, layer.v_dim)
+            new = LayerKV(layer.kv_heads, layer.head_dim, layer.window, layer.v_dim, layer.dtype)
             new.reserve(keep + reserve)
             new.k[:keep] = layer.k[:keep]
             new.v[:keep] = layer.v[:keep]

@@ -90,8 +90,8 @@ class Attention:
         self.head_keep: np.ndarray | None = None  # task mask: bool per head, None = all heads
         self._qkv = False  # int8_group of q/k/v (made on the first block of tokens; None: none)
 
-    def new_state(self) -> LayerKV:
-        return LayerKV(self.a.kv_heads, self.a.head_dim, self.a.window, self.a.v_head_dim)
+    def new_state(self, kv_cache: str = "f32") -> LayerKV:
+        return LayerKV(self.a.kv_heads, self.a.head_dim, self.a.window, self.a.v_head_dim, kv_cache)
 
     def __call__(self, h: np.ndarray, kv: LayerKV, pos0: int) -> np.ndarray:
         a = self.a
@@ -402,7 +402,11 @@ class Block:
         self.alive = True  # a task mask's layer gate: False skips the layer (the residual passes)
         self._step = None  # runtime/step.py BlockStep, built on the first decoded token
 
-    def new_state(self):
+    def new_state(self, kv_cache: str = "f32"):
+        """The mixer's fresh per-sequence state; ``kv_cache`` ("f32" / "f16") is the storage of a
+        GQA layer's KV cache (latent and linear-attention states stay float32)."""
+        if isinstance(self.mixer, Attention):
+            return self.mixer.new_state(kv_cache)
         return self.mixer.new_state()
 
     def _n(self, x: np.ndarray, w: np.ndarray | None) -> np.ndarray:

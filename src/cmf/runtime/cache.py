@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ops.kv_values import storage_dtype, to_f32, to_storage
+
 
 class LayerKV:
     """Keys/values of one attention layer: [n, kv_heads, head_dim] arrays that grow by doubling.
@@ -13,12 +15,15 @@ class LayerKV:
     ``window - 1`` positions before the newest are dropped (the next query cannot see them).
     """
 
-    def __init__(self, kv_heads: int, head_dim: int, window: int | None = None, v_dim: int | None = None) -> None:
+    def __init__(self, kv_heads: int, head_dim: int, window: int | None = None, v_dim: int | None = None,
+                 dtype: str = "f32") -> None:
         self.kv_heads, self.head_dim, self.window = kv_heads, head_dim, window
         self.v_dim = v_dim or head_dim
+        self.dtype = dtype  # "f32", or "f16": entries stored as f16 bits (runtime/ops/kv_values.py)
+        store = storage_dtype(dtype)
         cap = 64
-        self.k = np.empty((cap, kv_heads, head_dim), np.float32)
-        self.v = np.empty((cap, kv_heads, self.v_dim), np.float32)
+        self.k = np.empty((cap, kv_heads, head_dim), store)
+        self.v = np.empty((cap, kv_heads, self.v_dim), store)
         self.n = 0  # valid entries
         self.start = 0  # absolute position of entry 0
 
@@ -53,23 +58,26 @@ class LayerKV:
             cap = max(self.k.shape[0] * 2, self.n + t)
             for name in ("k", "v"):
                 old = getattr(self, name)
-                new = np.empty((cap,) + old.shape[1:], np.float32)
+                new = np.empty((cap,) + old.shape[1:], old.dtype)
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
         return self.n
 
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """Add T new keys/values; returns (keys, values, position of keys[0]) for attention."""
+        """Add T new keys/values; returns (keys, values, position of keys[0]) for attention, as
+        float32 whatever the cache stores (an f16 cache's entries are read back after rounding,
+        as the token step reads them)."""
         t = k.shape[0]
         self.reserve(t)
-        self.k[self.n:self.n + t] = k
-        self.v[self.n:self.n + t] = v
+        self.k[self.n:self.n + t] = to_storage(k, self.k.dtype.type)
+        self.v[self.n:self.n + t] = to_storage(v, self.v.dtype.type)
         self.n += t
-        keys, vals, first = self.k[: self.n], self.v[: self.n], self.start
+        keys, vals, first = to_f32(self.k[: self.n]), to_f32(self.v[: self.n]), self.start
         if self.window is not None and self.n > self.window:
             # Trim for the NEXT call; this call still needs the older keys for its earlier queries.
             drop = self.n - (self.window - 1)
-            keys, vals = keys.copy(), vals.copy()
+            if self.dtype == "f32":  # views of the arrays trimmed below (an f16 cache's are copies)
+                keys, vals = keys.copy(), vals.copy()
             self.k[: self.n - drop] = self.k[drop:self.n]
             self.v[: self.n - drop] = self.v[drop:self.n]
             self.n -= drop

@@ -25,6 +25,7 @@ from .features import check_runnable
 from .load_checks import moe_keep, verify_or_refuse
 from .memory import EMBED_RELEASE_EVERY, ModelMemory
 from .ops.decode import rms_norm_into
+from .ops.kv_values import check_supported as check_kv_cache
 from .ops.norm import prepare_norm_weight
 from .ops.rowwise import rms_norm_rows
 from .plan import ModelPlan, build_plan
@@ -52,7 +53,8 @@ class Model(Selection, Router, MoeStats, ModelMemory):
     def __init__(self, file: CmfFile, *, skill: str | None = None, task: str | None = None,
                  ctx_size: int | None = None, reference_kernels: bool = False, batch_size: int | None = DEFAULT_BATCH,
                  moe_mask: "str | os.PathLike | dict | None" = None, moe_mask_cover: float | None = None,
-                 blend: "Mapping[str, float] | str | None" = None, int8_activations: bool = False) -> None:
+                 blend: "Mapping[str, float] | str | None" = None, int8_activations: bool = False,
+                 kv_cache: str = "f32") -> None:
         if file.is_skill_file:
             raise NotRunnable(f"{file.path} is a standalone skill file (SKILL_FILE): a partial tensor set, "
                               f"not a model. Attach it first: cmf skill apply BASE {file.path.name} -o OUT.cmf")
@@ -62,6 +64,8 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         self.arch = file.arch
         self._reference = reference_kernels
         self.int8_activations = bool(int8_activations)
+        check_kv_cache(kv_cache)
+        self.kv_cache = kv_cache  # storage of the GQA layers' KV caches: "f32" or "f16"
         self._check_skill(skill)
         self._auto: str | None = None  # "skill" / "blend": route every prompt (see select)
         self.last_route = None  # the latest routing.Route, when a prompt was routed
@@ -131,7 +135,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
     def new_cache(self) -> Cache:
         """Fresh per-sequence state: a KV (or latent) cache per attention layer, conv + recurrent
         state per linear-attention layer."""
-        return Cache([b.new_state() for b in self._blocks])
+        return Cache([b.new_state(self.kv_cache) for b in self._blocks])
 
     # -- forward ---------------------------------------------------------------------------------
     def hidden(self, ids: np.ndarray | list[int], cache: Cache) -> np.ndarray:
@@ -296,7 +300,7 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
          threads: int | None = None, ctx_size: int | None = None, reference_kernels: bool = False,
          batch_size: int | None = DEFAULT_BATCH, moe_mask: "str | os.PathLike | dict | None" = None,
          moe_mask_cover: float | None = None, blend: "Mapping[str, float] | str | None" = None,
-         int8_activations: bool | None = None, verify: bool = False) -> Model:
+         int8_activations: bool | None = None, verify: bool = False, kv_cache: str | None = None) -> Model:
     """Open a .cmf (or any shard of a set) and build a runnable Model.
 
     ``verify``: check the whole hash chain first (spec §1.2 "a loader flag": envelope header and
@@ -313,6 +317,10 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
     Unset, it comes from ``CMF_INT8_ACT`` (1/true/on); off by default, so outputs match the
     f32-decoded reference.
 
+    ``kv_cache``: how the attention layers' KV caches store keys and values: "f32" (default) or
+    "f16" (half the memory and the bytes a decode step reads; values rounded to f16, ~1e-3
+    relative, as llama.cpp's and vLLM's default caches). Unset, it comes from ``CMF_KV_CACHE``.
+
     ``skill``: an id, "none" or "auto"; ``blend``: {id: weight} or "auto" (see :meth:`Model.select`).
 
     ``moe_mask`` (route statistics, a path or ``{layer: [counts]}``) restricts each MoE layer to
@@ -325,6 +333,9 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
         moe_mask_cover = float(os.environ["CMF_MOE_MASK_COVER"])
     if int8_activations is None:
         int8_activations = os.environ.get("CMF_INT8_ACT", "").strip().lower() in ("1", "true", "on", "yes")
+    if kv_cache is None:
+        kv_cache = os.environ.get("CMF_KV_CACHE", "").strip().lower() or "f32"
+    check_kv_cache(kv_cache)
     if threads:
         try:
             import numba
@@ -338,7 +349,7 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
             verify_or_refuse(file)
         return Model(file, skill=skill, task=task, ctx_size=ctx_size, reference_kernels=reference_kernels,
                      batch_size=batch_size, moe_mask=moe_mask, moe_mask_cover=moe_mask_cover, blend=blend,
-                     int8_activations=int8_activations)
+                     int8_activations=int8_activations, kv_cache=kv_cache)
     except BaseException:
         file.close()
         raise

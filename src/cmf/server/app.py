@@ -79,7 +79,8 @@ class _Api:
         d["skill_info"] = d.get("skills", [])
         d.update(ctx_size=self.model.ctx_size, default_task=self.engine.default_task,
                  default_skill=self.engine.default_skill, tasks=self.model.tasks, skills=self.model.skills,
-                 activations="int8" if getattr(self.model, "int8_activations", False) else "exact")
+                 activations="int8" if getattr(self.model, "int8_activations", False) else "exact",
+                 kv_cache=getattr(self.model, "kv_cache", "f32"))
         return d
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class _Api:
     async def health(self, request: Request) -> Response:
         state = self.watch.state()
         body: dict[str, Any] = {"status": "ok", "model": self.model_id, "engine": self.engine.snapshot(),
-                                "activations": self.info["activations"]}
+                                "activations": self.info["activations"], "kv_cache": self.info["kv_cache"]}
         if state != "ok":
             body["file"] = state
         try:

@@ -13,9 +13,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True, int8_default: bool = False) -> None:
+def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True, int8_default: bool = False,
+                      kv_default: str = "f32") -> None:
     """The model arguments every running command takes (``int8_default``: the command runs int8
-    activations unless told otherwise, as ``cmf serve`` does; its --help says so)."""
+    activations unless told otherwise, as ``cmf serve`` does; ``kv_default``: its KV cache type
+    when neither --kv-cache nor CMF_KV_CACHE says; its --help says both)."""
     p.add_argument("model", metavar="MODEL", help="a .cmf file, any shard of a set, or a HF folder / hub id")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads for the kernels")
@@ -38,6 +40,10 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True, int8
                         "relative error per product, as llama.cpp's Q4_0 / Q8_0; "
                         + ("default on here (--exact-act turns it off)" if int8_default
                            else "default off, or CMF_INT8_ACT=1") + ")")
+    p.add_argument("--kv-cache", choices=("f32", "f16"), default=None,
+                   help="how the KV cache stores keys and values: f16 halves its memory and the bytes "
+                        "each decode step reads (~1e-3 relative rounding, as llama.cpp's and vLLM's "
+                        f"caches); default {kv_default} here, or CMF_KV_CACHE")
     if sampling:
         p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate (-1 = until EOS)")
         p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
@@ -136,7 +142,8 @@ def load_model(args: argparse.Namespace):
     refuse_if_pipeline(source, getattr(args, "command", None) or "run")
     model = load(source, task=args.task, skill=args.skill, threads=args.threads,
                  ctx_size=args.ctx_size, batch_size=args.batch_size, blend=blend,
-                 int8_activations=getattr(args, "int8_act", None), verify=getattr(args, "verify", False))
+                 int8_activations=getattr(args, "int8_act", None), verify=getattr(args, "verify", False),
+                 kv_cache=getattr(args, "kv_cache", None))
     path = os.environ.get("CMF_MOE_STATS")
     if path and model.moe_layers:
         import atexit

@@ -22,7 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help=SUMMARY, description=SUMMARY)
-    add_model_options(p, sampling=False, int8_default=True)
+    add_model_options(p, sampling=False, int8_default=True, kv_default="f16")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("CMF_API_KEY"),
@@ -78,6 +78,18 @@ def server_int8(args: argparse.Namespace) -> bool:
     return env not in ("0", "false", "off", "no")
 
 
+def server_kv_cache(args: argparse.Namespace) -> str:
+    """The server's KV cache type: ``--kv-cache``, else ``CMF_KV_CACHE``, else f16 — a batched step
+    reads every running sequence's whole cache, and f16 halves those bytes and the memory each
+    sequence holds (docs/SERVER.md); the one-stream commands keep f32 unless asked."""
+    if getattr(args, "kv_cache", None):
+        return args.kv_cache
+    env = os.environ.get("CMF_KV_CACHE", "").strip().lower()
+    if env and env not in ("f32", "f16"):
+        raise UsageError(f"CMF_KV_CACHE must be f32 or f16, got {env!r}")
+    return env or "f16"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
@@ -110,12 +122,13 @@ def run(args: argparse.Namespace) -> int:
     uv_log.setLevel(level)
 
     int8 = server_int8(args)
+    kv_cache = server_kv_cache(args)
     path = resolve_model(args.model)
     announce_compiles()
     # load() opens (and so validates) the file; a skill file or a damaged file stops here.
     model = load(path, task=args.task, skill=args.skill, threads=args.threads, ctx_size=args.ctx_size,
                  batch_size=args.batch_size, int8_activations=int8,
-                 verify=getattr(args, "verify", False))
+                 verify=getattr(args, "verify", False), kv_cache=kv_cache)
     engine = None
     try:
         model_id = args.alias or Path(path).name.removesuffix(".cmf")
@@ -129,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         acts = "int8 activations" if int8 else "exact activations"
         sys.stderr.write(sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}, parallel "
-                                  f"{args.parallel}, {acts}) on http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
+                                  f"{args.parallel}, {acts}, {kv_cache} KV cache) on http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
         sys.stderr.flush()
         import uvicorn
 

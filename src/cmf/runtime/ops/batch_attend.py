@@ -17,34 +17,25 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
 from .decode import attend_decode, attends_serially, rope_append_attend
+from .kv_values import pointer_at
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
-
-
-@intrinsic
-def _f32_at(typingctx, addr):  # noqa: ANN001
-    """The float32 pointer at an address (an int64)."""
-    sig = types.CPointer(types.float32)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
+_LIKE = {t: np.empty(0, t) for t in (np.float32, np.uint16)}  # the cache dtype, as an argument's type
 
 
 @numba.njit(parallel=True, **_OPTS)
 def batch_rope_append_attend(Q, Kn, Vn, qn, kn, eps, cos, sin, kaddr, vaddr, caps, ns, poss, starts, scale, window,
-                             softcap, serial, out):  # pragma: no cover - compiled
+                             softcap, serial, out, like):  # pragma: no cover - compiled
     """For every b: rope_append_attend(Q[b], Kn[b], Vn[b], …, K_b, V_b, ns[b], poss[b], starts[b], …,
-    out[b], serial[b]) with K_b / V_b the [caps[b], kv_heads, ·] float32 arrays at kaddr[b] / vaddr[b]."""
+    out[b], serial[b]) with K_b / V_b the [caps[b], kv_heads, ·] arrays at kaddr[b] / vaddr[b], of
+    ``like``'s dtype (float32, or uint16 f16 bits)."""
     kvh, hd, vd = Kn.shape[1], Kn.shape[2], Vn.shape[2]
     for b in prange(Q.shape[0]):
-        K = numba.carray(_f32_at(kaddr[b]), (caps[b], kvh, hd))
-        V = numba.carray(_f32_at(vaddr[b]), (caps[b], kvh, vd))
+        K = numba.carray(pointer_at(kaddr[b], like), (caps[b], kvh, hd))
+        V = numba.carray(pointer_at(vaddr[b], like), (caps[b], kvh, vd))
         rope_append_attend(Q[b], Kn[b], Vn[b], qn, kn, eps, cos[b], sin[b], K, V, ns[b], poss[b], starts[b], scale,
                            window, softcap, out[b], serial[b])
 
@@ -53,8 +44,11 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
                  cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
     it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
-    LayerKV (all keeping every entry: the caller checks); cos/sin: [B, rotary_dim] at each position."""
+    LayerKV (all keeping every entry and of one storage type: the caller checks); cos/sin: [B, rotary_dim] at each position."""
+    store = states[0].k.dtype
     for kv in states:
+        if kv.k.dtype != store:  # the compiled call reads every cache by address as one dtype
+            raise ValueError(f"a decode batch mixes KV cache types ({store} and {kv.k.dtype})")
         if kv.n + 1 > kv.k.shape[0]:
             kv.reserve(1)
     ns = np.array([kv.n for kv in states], np.int64)
@@ -64,7 +58,7 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
     serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence
     batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, ns,
                              np.asarray(positions, np.int64), np.array([kv.start for kv in states], np.int64),
-                             attend.scale, attend.window, attend.softcap, serial, out)
+                             attend.scale, attend.window, attend.softcap, serial, out, _LIKE[store.type])
     for i, kv in enumerate(states):
         kv.n = int(ns[i]) + 1
         if not serial[i]:  # a long cache: the parallel attention, as the sequence gets alone

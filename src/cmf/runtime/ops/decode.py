@@ -21,6 +21,7 @@ from numba import prange
 
 from ...numba_prims import chunk
 from ...kernels.vmath import exp_f32
+from .kv_values import as_f32, put_entry
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
 _FAST = dict(_EXACT, fastmath={"contract", "nsz", "arcp", "reassoc"})
@@ -192,7 +193,7 @@ def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover 
                 qh = q[j]
                 acc = np.float32(0)
                 for i in range(d):
-                    acc += qh[i] * kr[i]
+                    acc += qh[i] * as_f32(kr[i])
                 acc *= scale
                 if softcap > 0:
                     acc = np.tanh(acc / softcap) * softcap
@@ -221,7 +222,7 @@ def _weigh(vals, group, lo, n, p, mx, tot, out):  # pragma: no cover - compiled
                 w = p[h * group + g, s]
                 o = out[h * group + g]
                 for i in range(dv):
-                    o[i] += w * vr[i]
+                    o[i] += w * as_f32(vr[i])
 
 
 @numba.njit(**_FAST)
@@ -296,8 +297,8 @@ def rope_append_attend(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, 
     plus the cache append in Python (~15 µs a layer); the caller runs the parallel attention
     itself for long caches (``attend`` False)."""
     qk_norm_rope(q, k, qn, kn, eps, cos, sin)
-    K[n] = k
-    V[n] = v
+    put_entry(K[n], k)
+    put_entry(V[n], v)
     if attend:
         attend_one(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out)
 
