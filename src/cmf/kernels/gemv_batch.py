@@ -30,6 +30,7 @@ from ._jit import PARALLEL, SERIAL
 from ._jit import chunk as _chunk
 from .gemv import NO_ACT, MatvecGroup
 from .rows import fold_cols, row_dots, row_dots_pairs
+from .q8i import GROUP as Q8I_GROUP
 from .vmath import gated_rows
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,26 @@ class BatchGroup:
             self.paired = self._paired_matches(nt)
         self._run(X, Y, nt, bool(self.paired) and X.shape[0] >= PAIRED_MIN_T)
         return Y
+
+    def bind(self, X: np.ndarray, Y: np.ndarray, nt: int) -> tuple | None:
+        """(compiled function, arguments) computing ``self(X, nt)`` into Y for these arrays — the
+        same kernel, row chunks and pairing choice as :meth:`__call__` — so a step that reuses its
+        buffers calls it without the per-call checks; None where the group has no single kernel
+        call (other families, int8 inputs that are not whole groups of 32). X: C-contiguous
+        float32 [B, in_features]; Y: [B, out_features]."""
+        g = self.group
+        if not self.direct:
+            return None
+        if g.kernel == "q8i":
+            return g.int8_group.bind(X, Y, nt) if X.shape[1] == g.int8_group.gpr * Q8I_GROUP else None
+        if nt > 1 and g.work < _jit.PARALLEL_MIN_BYTES:
+            nt = 1
+        if X.shape[0] >= PAIRED_MIN_T and self.paired is None:
+            self.paired = self._paired_matches(nt)
+        paired = bool(self.paired) and X.shape[0] >= PAIRED_MIN_T
+        if nt > 1:
+            return rows_group_batch, (*g.row_args, X, Y, g.slot_offsets, g.row_index, nt, g.act, g.width, paired)
+        return rows_group_batch_serial, (*g.row_args, X, Y, g.slot_offsets, g.row_index, g.act, g.width, paired)
 
     def _run(self, X: np.ndarray, Y: np.ndarray, nt: int, paired: bool) -> None:
         g = self.group

@@ -19,11 +19,20 @@ import numba
 import numpy as np
 from numba import prange
 
-from .decode import attend_decode, attends_serially, rope_append_attend
+from .decode import PARALLEL_ATTEND, attend_decode, attends_serially, rope_append_attend
 from .kv_values import pointer_at
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
-_LIKE = {t: np.empty(0, t) for t in (np.float32, np.uint16)}  # the cache dtype, as an argument's type
+_LIKE = {"f32": np.empty(0, np.float32), "f16": np.empty(0, np.uint16)}  # a cache's element type, as an argument
+_SERIAL: dict[int, np.ndarray] = {}
+
+
+def _all_serial(n: int) -> np.ndarray:
+    """An all-True flag array of n sequences (made once per batch size; never written)."""
+    a = _SERIAL.get(n)
+    if a is None:
+        a = _SERIAL[n] = np.ones(n, np.bool_)
+    return a
 
 
 @numba.njit(parallel=True, **_OPTS)
@@ -45,23 +54,29 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
     it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
     LayerKV (all keeping every entry and of one storage type: the caller checks); cos/sin: [B, rotary_dim] at each position."""
-    store = states[0].k.dtype
+    kind = states[0].dtype
+    meta: list[int] = []  # per sequence: entries, capacity, key and value addresses, first position
     for kv in states:
-        if kv.k.dtype != store:  # the compiled call reads every cache by address as one dtype
-            raise ValueError(f"a decode batch mixes KV cache types ({store} and {kv.k.dtype})")
-        if kv.n + 1 > kv.k.shape[0]:
+        if kv.dtype != kind:  # the compiled call reads every cache by address as one dtype
+            raise ValueError(f"a decode batch mixes KV cache types ({kind} and {kv.dtype})")
+        cap = kv._k.shape[0]
+        if kv.n >= cap:
             kv.reserve(1)
-    ns = np.array([kv.n for kv in states], np.int64)
-    caps = np.array([kv.k.shape[0] for kv in states], np.int64)
-    kaddr = np.array([kv.k_addr for kv in states], np.int64)
-    vaddr = np.array([kv.v_addr for kv in states], np.int64)
-    serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence
+            cap = kv._k.shape[0]
+        meta += (kv.n, cap, kv.k_addr, kv.v_addr, kv.start)
+    ns, caps, kaddr, vaddr, starts = np.array(meta, np.int64).reshape(-1, 5).T.copy()
+    if nt <= 1 or q.shape[1] * q.shape[2] * (max(meta[::5]) + 1) < PARALLEL_ATTEND:
+        serial = _all_serial(len(states))  # short caches (the common case): no per-sequence test
+    else:
+        serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence
     batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, ns,
-                             np.asarray(positions, np.int64), np.array([kv.start for kv in states], np.int64),
-                             attend.scale, attend.window, attend.softcap, serial, out, _LIKE[store.type])
-    for i, kv in enumerate(states):
-        kv.n = int(ns[i]) + 1
-        if not serial[i]:  # a long cache: the parallel attention, as the sequence gets alone
+                             np.asarray(positions, np.int64), starts, attend.scale, attend.window, attend.softcap,
+                             serial, out, _LIKE[kind])
+    for kv in states:
+        kv.n += 1
+    if not serial.all():
+        for i in np.flatnonzero(~serial):  # a long cache: the parallel attention, as the sequence gets alone
+            kv = states[i]
             attend_decode(q[i], kv.k[:kv.n], kv.v[:kv.n], positions[i], kv.start, attend.scale, attend.window,
                           attend.softcap, out[i], nt)
 
