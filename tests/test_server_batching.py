@@ -125,6 +125,37 @@ def test_batched_decode_logits_do_not_depend_on_the_batch(model_path, task, skil
         model.close()
 
 
+def test_batch_sizes_past_the_kept_buffers_stay_exact(model_path):
+    """Steps of ten different batch sizes (more than the decoder keeps arrays for) with int8
+    activations and an f16 cache: every row still equals its sequence alone, bit for bit, and
+    the kept arrays stay bounded."""
+    from cmf.runtime.batched import MAX_BATCH_SIZES
+
+    model = cmf.load(model_path, int8_activations=True, kv_cache="f16")
+    try:
+        tok = model.tokenizer
+        n = MAX_BATCH_SIZES + 2
+        caches, alone, nxt = [], [], []
+        for i in range(n):
+            c = model.new_cache()
+            nxt.append(int(np.argmax(model.prefill(tok.encode(f"{WORDS[i % 8]} {i} {WORDS[(i + 5) % 8]}"), c)[-1])))
+            caches.append(c)
+            alone.append(clone_prefix(c, c.pos, 32))
+        bd = decoder(model)
+        for size in list(range(1, n + 1)) + [3, 1]:
+            rows = list(range(size))
+            out = bd.step([nxt[r] for r in rows], [caches[r] for r in rows])
+            for j, r in enumerate(rows):
+                ref = model.forward([nxt[r]], alone[r])[-1]
+                assert np.array_equal(ref, out[j]), (size, r)
+            for r in range(size, n):  # the others catch up alone, on both copies
+                model.forward([nxt[r]], caches[r])
+                model.forward([nxt[r]], alone[r])
+            assert len(bd._bufs) <= MAX_BATCH_SIZES
+    finally:
+        model.close()
+
+
 @pytest.fixture(scope="module")
 def matrices(tmp_path_factory):
     """One file with matrices of the batch-exact families (and one 4-bit) at a few shapes."""

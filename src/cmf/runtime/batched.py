@@ -169,6 +169,10 @@ class BatchDecoder:
         if bufs is None:
             if len(self._bufs) >= MAX_BATCH_SIZES:  # a server sees a few sizes again and again
                 self._bufs.clear()
+                for blk in model._blocks:  # the layers' bound calls hold the old arrays
+                    ops = getattr(blk, "_batch_ops", None)
+                    if ops is not None:
+                        ops._bound.clear()
             bufs = self._bufs[b] = _Buffers(b)
         for i, block in enumerate(model._blocks):
             if block.alive:
