@@ -253,25 +253,29 @@ def attend_one(q, keys, vals, pos, k0, scale, window, softcap, out):  # pragma: 
             out[j, i] *= inv
 
 
-@numba.njit(parallel=True, **_FAST)
-def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out, nt):  # pragma: no cover - compiled
-    """:func:`attend_one` with the cache split into ``nt`` position ranges, one per thread, each
-    giving its heads' running max, exp sum and unnormalized output; the partials are then
-    rescaled to the common max and summed (as split-K "flash decoding" does). Every thread streams
-    its own contiguous part of the cache."""
+@numba.njit(**_FAST)
+def split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx, tot, part):  # pragma: no cover - compiled
+    """Part ``c`` of :func:`attend_one_par`: its heads' running max ``mx`` [H], exp sum ``tot``
+    [H] and unnormalized output ``part`` [H, Dv] over the c-th of ``nt`` position ranges (left
+    at −inf / 0 / 0 when the range is empty)."""
     H = q.shape[0]
-    group = H // keys.shape[1]
     lo, hi = _span(keys.shape[0], pos, k0, window)
-    mx = np.full((nt, H), -np.inf, np.float32)
-    tot = np.zeros((nt, H), np.float32)
-    part = np.zeros((nt, H, out.shape[1]), np.float32)
-    for c in prange(nt):
-        a, b = chunk(hi - lo, nt, c, 1)
-        if a < b:
-            p = np.empty((H, b - a), np.float32)
-            _scores(q, keys, group, lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx[c])
-            _weigh(vals, group, lo + a, b - a, p, mx[c], tot[c], part[c])
-    for j in range(H):
+    a, b = chunk(hi - lo, nt, c, 1)
+    mx[:] = -np.inf
+    tot[:] = 0
+    part[:, :] = 0
+    if a < b:
+        p = np.empty((H, b - a), np.float32)
+        _scores(q, keys, H // keys.shape[1], lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx)
+        _weigh(vals, H // keys.shape[1], lo + a, b - a, p, mx, tot, part)
+
+
+@numba.njit(**_FAST)
+def split_combine(mx, tot, part, out):  # pragma: no cover - compiled
+    """out [H, Dv] from the parts of :func:`split_part` (mx, tot [nt, H]; part [nt, H, Dv]),
+    rescaled to the common max and summed in part order."""
+    nt = mx.shape[0]
+    for j in range(out.shape[0]):
         top = mx[0, j]
         for c in range(1, nt):
             top = max(top, mx[c, j])
@@ -286,6 +290,21 @@ def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out, nt):  # 
         inv = np.float32(1) / den
         for i in range(out.shape[1]):
             out[j, i] *= inv
+
+
+@numba.njit(parallel=True, **_FAST)
+def attend_one_par(q, keys, vals, pos, k0, scale, window, softcap, out, nt):  # pragma: no cover - compiled
+    """:func:`attend_one` with the cache split into ``nt`` position ranges, one per thread, each
+    giving its heads' running max, exp sum and unnormalized output (:func:`split_part`); the
+    partials are then rescaled to the common max and summed (:func:`split_combine`, as split-K
+    "flash decoding" does). Every thread streams its own contiguous part of the cache."""
+    H = q.shape[0]
+    mx = np.empty((nt, H), np.float32)
+    tot = np.empty((nt, H), np.float32)
+    part = np.empty((nt, H, out.shape[1]), np.float32)
+    for c in prange(nt):
+        split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx[c], tot[c], part[c])
+    split_combine(mx, tot, part, out)
 
 
 @numba.njit(**_EXACT)
