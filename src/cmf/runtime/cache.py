@@ -29,14 +29,15 @@ class LayerKV:
 
     # The arrays' addresses, kept as they are replaced: the batched step passes every sequence's
     # cache to one compiled call by address (runtime/ops/batch_attend.py), and reading
-    # ``ndarray.ctypes.data`` there cost ~1 µs an array, 16 sequences × 2 × 30 layers a step.
+    # ``ndarray.ctypes.data`` there cost ~1 µs an array, 16 sequences × 2 × 30 layers a step
+    # (``capacity``: the entries the arrays hold, kept the same way).
     @property
     def k(self) -> np.ndarray:
         return self._k
 
     @k.setter
     def k(self, a: np.ndarray) -> None:
-        self._k, self.k_addr = a, a.ctypes.data
+        self._k, self.k_addr, self.capacity = a, a.ctypes.data, a.shape[0]
 
     @property
     def v(self) -> np.ndarray:

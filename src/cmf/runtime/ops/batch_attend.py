@@ -76,17 +76,16 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
                  cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
     it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
-    LayerKV (all keeping every entry and of one storage type: the caller checks); cos/sin: [B, rotary_dim] at each position."""
+    LayerKV (all keeping every entry: the caller checks; one storage type: checked here); cos/sin:
+    [B, rotary_dim] at each position."""
     kind = states[0].dtype
     meta: list[int] = []  # per sequence: entries, capacity, key and value addresses, first position
     for kv in states:
         if kv.dtype != kind:  # the compiled call reads every cache by address as one dtype
             raise ValueError(f"a decode batch mixes KV cache types ({kind} and {kv.dtype})")
-        cap = kv._k.shape[0]
-        if kv.n >= cap:
+        if kv.n >= kv.capacity:
             kv.reserve(1)
-            cap = kv._k.shape[0]
-        meta += (kv.n, cap, kv.k_addr, kv.v_addr, kv.start)
+        meta += (kv.n, kv.capacity, kv.k_addr, kv.v_addr, kv.start)
     ns, caps, kaddr, vaddr, starts = np.array(meta, np.int64).reshape(-1, 5).T.copy()
     if nt <= 1 or q.shape[1] * q.shape[2] * (max(meta[::5]) + 1) < PARALLEL_ATTEND:
         serial = _all_serial(len(states))  # short caches (the common case): no per-sequence test
