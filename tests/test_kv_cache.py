@@ -126,3 +126,31 @@ def test_a_batch_of_mixed_cache_types_is_refused(model_path):
         m.forward([3, 4], b)
         with pytest.raises(ValueError, match="mixes KV cache types"):
             decoder(m).step([5, 6], [a, b])
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_batched_decode_of_other_layer_kinds(kind):
+    """The batched step's one schedule on sandwich norms and sliding windows (gemma), MoE, MLA and
+    linear attention, with an f16 cache: each row within float32 noise of the sequence alone
+    (those mixers and FFNs run their generic code, whose block paths may round differently)."""
+    import hf_fixtures as H
+
+    from cmf.runtime.batched import decoder
+
+    with cmf.load(H.converted(kind, "q8"), kv_cache="f16") as m:
+        prompts = [[5, 9, 13, 17, 21, 8], [7, 3], [11, 12, 13, 14]]
+        caches, alone, nxt = [], [], []
+        for ids in prompts:
+            c = m.new_cache()
+            nxt.append(int(np.argmax(m.forward(ids, c)[-1])))
+            caches.append(c)
+            a = m.new_cache()
+            m.forward(ids, a)
+            alone.append(a)
+        bd = decoder(m)
+        for _ in range(4):
+            out = bd.step(nxt, caches)
+            for r in range(len(prompts)):
+                ref = m.forward([nxt[r]], alone[r])[-1]
+                np.testing.assert_allclose(out[r], ref, rtol=0, atol=1e-4 * float(np.abs(ref).max()))
+                nxt[r] = int(np.argmax(ref))

@@ -26,7 +26,7 @@ import numpy as np
 from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
-from .ops.decode import add_into, add_norm_into, norm_into
+from .ops.decode import add_into, norm_into
 from .ops.batch_attend import attend_batch
 from .step import AttnStep, FfnStep, TokenAttention, rope_at
 from ..kernels.gemv_batch import BatchGroup
@@ -133,6 +133,11 @@ class _BoundLayer:
         self.att = bufs.get("att", ops.o.group.in_features)
 
 
+def _slot(bound: _BoundLayer | None, name: str, like: np.ndarray) -> np.ndarray:
+    """The bound layer's array ``name`` for a norm's output, or a new one shaped as ``like``."""
+    return getattr(bound, name) if bound is not None else np.empty_like(like)
+
+
 class BatchDecoder:
     """Decode steps of one model over many caches (see the module docstring). Reads the model's
     current blocks at every call, so a task/skill switch between steps is honoured."""
@@ -195,92 +200,63 @@ class BatchDecoder:
     # -- one layer ---------------------------------------------------------------------------------
     def _layer(self, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int,
                bufs: _Buffers) -> np.ndarray:
+        """One decoder layer for the batch: the products on the layer's bound arrays where it has
+        them (:class:`_BoundLayer`), else through the generic calls — one schedule, the same values."""
         ops = getattr(block, "_batch_ops", None)  # made once per block (a skill switch makes new blocks)
         if ops is None:
             ops = block._batch_ops = _LayerOps(block)
-        bound = ops.bound(block, bufs, nt)
-        if bound is not None and block.mixer.a.window is None:
-            return self._bound_layer(block, ops, bound, x, states, positions, nt)
+        bound = ops.bound(block, bufs, nt) if ops.attn and block.mixer.a.window is None else None
         eps = block.eps
-        h = _norm(x, block.n_in, eps)
+        h = norm_into(x, block.n_in, eps, _slot(bound, "h", x))
         if ops.attn:
-            a = self._attention(block, ops, h, states, positions, nt)
+            a = self._attention(block, ops, h, states, positions, nt, bound)
         else:  # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
             a = np.concatenate([block.mixer(h[i:i + 1], st, p) for i, (st, p) in enumerate(zip(states, positions))])
         if block.plan.sandwich:
-            x += _norm(a, block.n_post_attn, eps)
-            h = _norm(x, block.n_pre_ffn, eps)
+            add_into(x, norm_into(a, block.n_post_attn, eps, _slot(bound, "t", a)))
+            h = norm_into(x, block.n_pre_ffn, eps, _slot(bound, "h", x))
         else:
-            x += a
-            h = _norm(x, block.n_post_attn, eps)
-        f = self._ffn(block, ops, h, nt)
+            add_into(x, a)
+            h = norm_into(x, block.n_post_attn, eps, _slot(bound, "h", x))
+        f = self._ffn(block, ops, h, nt, bound)
         if block.plan.sandwich:
-            f = _norm(f, block.n_post_ffn, eps)
-        x += f
-        return x
-
-    def _bound_layer(self, block: Block, ops: _LayerOps, b: _BoundLayer, x: np.ndarray, states: list,
-                     positions: list[int], nt: int) -> np.ndarray:
-        """:meth:`_layer`'s operations, in its order, on the bound arrays (the same values)."""
-        (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args) = b.calls
-        m, eps = block.mixer, block.eps
-        a = m.a
-        bsz = x.shape[0]
-        norm_into(x, block.n_in, eps, b.h)
-        qkv(*qkv_args)
-        if ops.bias is not None:
-            b.qkv += ops.bias
-        q = b.qkv[:, :ops.nq].reshape(bsz, a.heads, a.head_dim).copy()
-        k = b.qkv[:, ops.nq:ops.nq + ops.nk].reshape(bsz, a.kv_heads, a.head_dim).copy()
-        v = b.qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim).copy()
-        att = b.att.reshape(bsz, a.heads, a.v_head_dim)
-        cos, sin = self._rope(a.rope, positions)
-        attend_batch(ops.attend, q, k, v, states, self._positions, cos, sin, att, nt)
-        if m.head_keep is not None:
-            att[:, ~m.head_keep] = 0
-        o(*o_args)
-        if m.ob is not None:
-            b.o += m.ob
-        if block.plan.sandwich:
-            x += norm_into(b.o, block.n_post_attn, eps, b.t)
-            norm_into(x, block.n_pre_ffn, eps, b.h)
-        elif block.n_post_attn is not None:
-            add_norm_into(x, b.o, block.n_post_attn, eps, b.h)
-        else:
-            x += b.o
-            b.h[...] = x
-        gate_up(*gate_up_args)
-        if b.g is not b.gu:
-            b.g[...] = b.gu[:, :b.width]
-        down(*down_args)
-        if block.plan.sandwich:
-            add_into(x, norm_into(b.f, block.n_post_ffn, eps, b.t))
-        else:
-            add_into(x, b.f)
+            f = norm_into(f, block.n_post_ffn, eps, _slot(bound, "t", f))
+        add_into(x, f)
         return x
 
     def _attention(self, block: Block, ops: _LayerOps, h: np.ndarray, states: list, positions: list[int],
-                   nt: int) -> np.ndarray:
+                   nt: int, bound: "_BoundLayer | None") -> np.ndarray:
         m = block.mixer
         a = m.a
         bsz = h.shape[0]
-        qkv = ops.qkv(h, nt)
+        if bound is not None:
+            fn, args = bound.calls[0]
+            fn(*args)
+            qkv = bound.qkv
+        else:
+            qkv = ops.qkv(h, nt)
         if ops.bias is not None:
             qkv += ops.bias
         q = qkv[:, :ops.nq].reshape(bsz, a.heads, a.head_dim)
         k = qkv[:, ops.nq:ops.nq + ops.nk].reshape(bsz, a.kv_heads, a.head_dim)
         v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
-        att = np.empty((bsz, a.heads, a.v_head_dim), np.float32)
+        att = (bound.att if bound is not None else np.empty((bsz, a.heads * a.v_head_dim), np.float32)).reshape(
+            bsz, a.heads, a.v_head_dim)
         if all(type(kv) is LayerKV and kv.window is None for kv in states):  # one call for the batch
             cos, sin = self._rope(a.rope, positions)
             attend_batch(ops.attend, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                         states, positions, cos, sin, att, nt)
+                         states, self._positions, cos, sin, att, nt)
         else:  # sliding windows drop entries as they append: one sequence at a time
             for i, (kv, pos) in enumerate(zip(states, positions)):
                 ops.attend(q[i], k[i], v[i], kv, pos, att[i], nt)
         if m.head_keep is not None:
             att[:, ~m.head_keep] = 0
-        y = ops.o(att.reshape(bsz, -1), nt)
+        if bound is not None:
+            fn, args = bound.calls[1]
+            fn(*args)
+            y = bound.o
+        else:
+            y = ops.o(att.reshape(bsz, -1), nt)
         if m.ob is not None:
             y += m.ob
         return y
@@ -294,7 +270,14 @@ class BatchDecoder:
             hit = self._ropes[id(profile)] = (profile, np.stack([c for c, _ in rows]), np.stack([s for _, s in rows]))
         return hit[1], hit[2]
 
-    def _ffn(self, block: Block, ops: _LayerOps, h: np.ndarray, nt: int) -> np.ndarray:
+    def _ffn(self, block: Block, ops: _LayerOps, h: np.ndarray, nt: int, bound: "_BoundLayer | None") -> np.ndarray:
+        if bound is not None:
+            (gate_up, gate_up_args), (down, down_args) = bound.calls[2:]
+            gate_up(*gate_up_args)
+            if bound.g is not bound.gu:
+                bound.g[...] = bound.gu[:, :bound.width]
+            down(*down_args)
+            return bound.f
         f = block.ffn
         groups = ops.ffn_groups(f) if ops.dense else None
         if groups is None:
