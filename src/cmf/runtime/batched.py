@@ -28,6 +28,7 @@ from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
 from .ops.decode import add_into, norm_into
 from .ops.batch_attend import attend_batch
+from .schedule import run_layer
 from .step import AttnStep, FfnStep, TokenAttention, rope_at
 from ..kernels.gemv_batch import BatchGroup
 
@@ -133,9 +134,18 @@ class _BoundLayer:
         self.att = bufs.get("att", ops.o.group.in_features)
 
 
-def _slot(bound: _BoundLayer | None, name: str, like: np.ndarray) -> np.ndarray:
-    """The bound layer's array ``name`` for a norm's output, or a new one shaped as ``like``."""
-    return getattr(bound, name) if bound is not None else np.empty_like(like)
+_SLOTS = {"h": "h", "a": "t", "f": "t"}  # run_layer's norm slots -> the bound layer's arrays
+
+
+def _slot(bound: _BoundLayer | None, slot: str, like: np.ndarray) -> np.ndarray:
+    """The bound layer's array for a norm's output in ``slot``, or a new one shaped as ``like``."""
+    return getattr(bound, _SLOTS[slot]) if bound is not None else np.empty_like(like)
+
+
+def _add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x += y (compiled: the batch's residual stream is the step's own array); returns x."""
+    add_into(x, y)
+    return x
 
 
 class BatchDecoder:
@@ -207,22 +217,13 @@ class BatchDecoder:
             ops = block._batch_ops = _LayerOps(block)
         bound = ops.bound(block, bufs, nt) if ops.attn and block.mixer.a.window is None else None
         eps = block.eps
-        h = norm_into(x, block.n_in, eps, _slot(bound, "h", x))
         if ops.attn:
-            a = self._attention(block, ops, h, states, positions, nt, bound)
+            mix = lambda h: self._attention(block, ops, h, states, positions, nt, bound)  # noqa: E731
         else:  # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
-            a = np.concatenate([block.mixer(h[i:i + 1], st, p) for i, (st, p) in enumerate(zip(states, positions))])
-        if block.plan.sandwich:
-            add_into(x, norm_into(a, block.n_post_attn, eps, _slot(bound, "t", a)))
-            h = norm_into(x, block.n_pre_ffn, eps, _slot(bound, "h", x))
-        else:
-            add_into(x, a)
-            h = norm_into(x, block.n_post_attn, eps, _slot(bound, "h", x))
-        f = self._ffn(block, ops, h, nt, bound)
-        if block.plan.sandwich:
-            f = norm_into(f, block.n_post_ffn, eps, _slot(bound, "t", f))
-        add_into(x, f)
-        return x
+            mix = lambda h: np.concatenate([block.mixer(h[i:i + 1], st, p)  # noqa: E731
+                                            for i, (st, p) in enumerate(zip(states, positions))])
+        return run_layer(block, x, mix, lambda h: self._ffn(block, ops, h, nt, bound),
+                         lambda v, w, slot: norm_into(v, w, eps, _slot(bound, slot, v)), _add)
 
     def _attention(self, block: Block, ops: _LayerOps, h: np.ndarray, states: list, positions: list[int],
                    nt: int, bound: "_BoundLayer | None") -> np.ndarray:

@@ -23,6 +23,7 @@ from .ops.mla import deinterleave, latent_attend
 from .ops.moe import expert_counts, expert_mix, route
 from .ops.norm import prepare_norm_weight
 from .plan import AttentionPlan, FfnPlan, GdnPlan, LayerPlan, MlaPlan, MoePlan
+from .schedule import run_layer
 from .step import BlockStep
 from .weights import Weights
 
@@ -49,6 +50,11 @@ def attend_rows(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos0: int, k0
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+
+
+def _new_sum(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """A residual sum as a new array (a block's input belongs to its caller)."""
+    return x + y
 
 
 def _heads_off(out: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
@@ -432,12 +438,5 @@ class Block:
     def _layer(self, x: np.ndarray, state, pos0: int) -> np.ndarray:
         if not self.alive:
             return x
-        a = self.mixer(self._n(x, self.n_in), state, pos0)
-        # the mixer's output is let go before the FFN runs (a [T, hidden] block less at the peak)
-        if self.plan.sandwich:
-            x = x + self._n(a, self.n_post_attn)
-            del a
-            return x + self._n(self.ffn(rms_norm_rows(x, self.n_pre_ffn, self.eps)), self.n_post_ffn)
-        x = x + a
-        del a
-        return x + self.ffn(self._n(x, self.n_post_attn))
+        return run_layer(self, x, lambda h: self.mixer(h, state, pos0), self.ffn,
+                         lambda v, w, slot: self._n(v, w), _new_sum)

@@ -18,10 +18,17 @@ import numpy as np
 
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
+from .schedule import run_layer
 from .ops.decode import (add_into, add_norm_into, attend_decode, attends_serially, norm_into, qk_norm_rope,
                          rms_norm_into, rope_append_attend)
 
 _EMPTY = np.zeros(0, np.float32)
+
+
+def _sum_into(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x += y (the step's residual, in its caller's array); returns x."""
+    x += y
+    return x
 _ROPE: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
 _ROPE_MAX = 1 << 14  # (profile, position) entries kept: positions recur across layers, sequences, requests
 
@@ -209,23 +216,13 @@ class BlockStep:
                 and self.attn.attn.head_keep is None):
             return self._plain(x, state, pos, nt, calls)
         b = self.block
-        eps = b.eps
-        h = norm_into(x, b.n_in, eps, self.h)
+        eps, slots = b.eps, {"h": self.h, "a": self.a, "f": self.f}
         if self.attn is not None:
-            a = self.attn(h, state, pos, self.a, nt)
+            mix = lambda h: self.attn(h, state, pos, self.a, nt)  # noqa: E731
         else:
-            a = b.mixer(h, state, pos)
-        if b.plan.sandwich:
-            x += norm_into(a, b.n_post_attn, eps, self.a)
-            h = norm_into(x, b.n_pre_ffn, eps, self.h)
-        else:
-            x += a
-            h = norm_into(x, b.n_post_attn, eps, self.h)
-        f = self.ffn(h, self.f, nt) if self.ffn is not None else b.ffn(h)
-        if b.plan.sandwich:
-            f = norm_into(f, b.n_post_ffn, eps, self.f)
-        x += f
-        return x
+            mix = lambda h: b.mixer(h, state, pos)  # noqa: E731
+        ffn = (lambda h: self.ffn(h, self.f, nt)) if self.ffn is not None else b.ffn
+        return run_layer(b, x, mix, ffn, lambda v, w, slot: norm_into(v, w, eps, slots[slot]), _sum_into)
 
     def _plain(self, x: np.ndarray, kv: LayerKV, pos: int, nt: int, calls: tuple) -> np.ndarray:
         """The common layer (pre-norms, attention over a growing cache, gated FFN) as the same
