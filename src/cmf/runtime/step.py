@@ -23,14 +23,14 @@ from .ops.decode import (add_into, add_norm_into, attend_decode, attends_seriall
                          rms_norm_into, rope_append_attend)
 
 _EMPTY = np.zeros(0, np.float32)
+_ROPE: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
+_ROPE_MAX = 1 << 14  # (profile, position) entries kept: positions recur across layers, sequences, requests
 
 
 def _sum_into(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """x += y (the step's residual, in its caller's array); returns x."""
     x += y
     return x
-_ROPE: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
-_ROPE_MAX = 1 << 14  # (profile, position) entries kept: positions recur across layers, sequences, requests
 
 
 def rope_at(profile, pos: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001 - a RopeProfile
