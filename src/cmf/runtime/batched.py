@@ -66,13 +66,15 @@ class _LayerOps:
         if self.dense:
             self._plain = (BatchGroup([f.gate, f.up], act=f.act_name), BatchGroup([f.down]), None)
         self._masked: tuple = (None, None)  # (the LiveFfn, its groups or None)
+        # GQA over caches that keep every entry and a dense FFN: products that can be bound
+        self.bindable = self.attn and self.dense and m.a.window is None
         self._bound: dict = {}  # batch size -> (threads, FFN groups, _BoundLayer or None)
 
     def bound(self, block: Block, bufs: "_Buffers", nt: int) -> "_BoundLayer | None":
         """The layer's four products bound to ``bufs`` (one batch size), or None when this layer
-        takes the generic path (another mixer or FFN, a masked down fed at positions, a family
-        without one kernel call)."""
-        if not (self.attn and self.dense):
+        takes the generic path (another mixer or FFN, a sliding window, a masked down fed at
+        positions, a family without one kernel call)."""
+        if not self.bindable:
             return None
         groups = self.ffn_groups(block.ffn)
         hit = self._bound.get(bufs.B)
@@ -118,8 +120,7 @@ class _BoundLayer:
 
     def __init__(self, ops: _LayerOps, groups: tuple, bufs: _Buffers, nt: int) -> None:
         gate_up, down, _ = groups
-        a = ops.qkv.group
-        n = a.in_features
+        n = ops.qkv.group.in_features
         self.h = bufs.get("h", n)
         self.qkv = bufs.get("qkv", ops.qkv.out_features)
         self.o = bufs.get("o", ops.o.out_features)
@@ -128,10 +129,10 @@ class _BoundLayer:
         self.f = bufs.get("f", down.out_features)
         self.t = bufs.get("t", n)  # a sandwich norm's output
         self.width = gate_up.width
-        calls = (ops.qkv.bind(self.h, self.qkv, nt), ops.o.bind(bufs.get("att", ops.o.group.in_features), self.o, nt),
+        self.att = bufs.get("att", ops.o.group.in_features)
+        calls = (ops.qkv.bind(self.h, self.qkv, nt), ops.o.bind(self.att, self.o, nt),
                  gate_up.bind(self.h, self.gu, nt), down.bind(self.g, self.f, nt))
         self.calls = None if any(c is None for c in calls) else calls
-        self.att = bufs.get("att", ops.o.group.in_features)
 
 
 _SLOTS = {"h": "h", "a": "t", "f": "t"}  # run_layer's norm slots -> the bound layer's arrays
@@ -215,7 +216,7 @@ class BatchDecoder:
         ops = getattr(block, "_batch_ops", None)  # made once per block (a skill switch makes new blocks)
         if ops is None:
             ops = block._batch_ops = _LayerOps(block)
-        bound = ops.bound(block, bufs, nt) if ops.attn and block.mixer.a.window is None else None
+        bound = ops.bound(block, bufs, nt)
         eps = block.eps
         if ops.attn:
             mix = lambda h: self._attention(block, ops, h, states, positions, nt, bound)  # noqa: E731

@@ -333,9 +333,8 @@ def load(path: str | os.PathLike, *, task: str | None = None, skill: str | None 
         moe_mask_cover = float(os.environ["CMF_MOE_MASK_COVER"])
     if int8_activations is None:
         int8_activations = os.environ.get("CMF_INT8_ACT", "").strip().lower() in ("1", "true", "on", "yes")
-    if kv_cache is None:
+    if kv_cache is None:  # Model checks it
         kv_cache = os.environ.get("CMF_KV_CACHE", "").strip().lower() or "f32"
-    check_kv_cache(kv_cache)
     if threads:
         try:
             import numba

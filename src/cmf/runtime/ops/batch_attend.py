@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .decode import PARALLEL_ATTEND, attends_serially, rope_append_attend, split_combine, split_part
+from .decode import attends_serially, rope_append_attend, split_combine, split_part
 from .kv_values import pointer_at
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
@@ -87,7 +87,7 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
             kv.reserve(1)
         meta += (kv.n, kv.capacity, kv.k_addr, kv.v_addr, kv.start)
     ns, caps, kaddr, vaddr, starts = np.array(meta, np.int64).reshape(-1, 5).T.copy()
-    if nt <= 1 or q.shape[1] * q.shape[2] * (max(meta[::5]) + 1) < PARALLEL_ATTEND:
+    if attends_serially(q[0], max(meta[::5]) + 1, nt):  # the longest cache short: every one serial
         serial = _all_serial(len(states))  # short caches (the common case): no per-sequence test
     else:
         serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence

@@ -259,6 +259,7 @@ def split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx, tot, p
     [H] and unnormalized output ``part`` [H, Dv] over the c-th of ``nt`` position ranges (left
     at −inf / 0 / 0 when the range is empty)."""
     H = q.shape[0]
+    group = H // keys.shape[1]
     lo, hi = _span(keys.shape[0], pos, k0, window)
     a, b = chunk(hi - lo, nt, c, 1)
     mx[:] = -np.inf
@@ -266,8 +267,8 @@ def split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx, tot, p
     part[:, :] = 0
     if a < b:
         p = np.empty((H, b - a), np.float32)
-        _scores(q, keys, H // keys.shape[1], lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx)
-        _weigh(vals, H // keys.shape[1], lo + a, b - a, p, mx, tot, part)
+        _scores(q, keys, group, lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx)
+        _weigh(vals, group, lo + a, b - a, p, mx, tot, part)
 
 
 @numba.njit(**_FAST)
