@@ -197,3 +197,52 @@ def test_the_portable_dot_is_vector_code_for_aarch64() -> None:
     asm = target.create_target_machine(cpu="neoverse-n1", opt=3).emit_assembly(ll.parse_assembly(str(m)))
     ops = re.findall(r"^\s+([a-z0-9.]+)\s", asm, re.M)
     assert ops.count("mla") >= 32 and len(re.findall(r"v\d+\.8h", asm)) > 50
+
+
+_SCALES: dict = {}
+
+
+def _scales_kernel(mask_regs: bool):  # noqa: ANN202 - a compiled function
+    if mask_regs not in _SCALES:
+        from cmf.kernels import _jit
+
+        gs = _jit._make_group_scales(mask_regs)
+
+        @numba.njit
+        def run(sc, planes, tg, t0, pw, s, mode):  # pragma: no cover - compiled
+            gs(sc, planes, tg, t0, pw, s, mode)
+
+        _SCALES[mask_regs] = run
+    return _SCALES[mask_regs]
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_group_scales_without_mask_registers_equal_the_masked_form(mode: int) -> None:
+    """The 4-bit ladder's per-row scales: the plane-mask table form (AVX2, NEON) gives the bits of
+    the masked form (AVX-512) and of the rule s = t0·Π powers^bit in plane order, for every code
+    (all 32 of them, code 31 a dead row in mode 2) and special values of t0."""
+    from cmf.kernels import _jit
+
+    rng = np.random.default_rng(11)
+    groups = 6
+    planes = rng.integers(0, 256, 40 * groups, dtype=np.uint8)
+    planes[40:80] = 255  # every row code 31
+    planes[80:120] = 0  # every row code 0
+    codes = np.arange(64) % 32  # group 3: each code twice
+    for p in range(5):
+        planes[120 + 8 * p: 128 + 8 * p] = np.packbits((codes >> p) & 1, bitorder="little")
+    t0 = (rng.random(64) * 1e-3).astype(np.float32)
+    t0[5], t0[6], t0[7], t0[8] = np.nan, -0.0, np.inf, np.float32(1e-42)  # a subnormal too
+    pw = (0.25 + 4 * rng.random(5 * 64)).astype(np.float32)
+    sc = np.zeros(64 * groups, np.uint16)
+    bits = np.unpackbits(planes.reshape(groups, 5, 8), axis=-1, bitorder="little")  # [g, p, row]
+    for g in range(groups):
+        want = t0.copy()
+        for p in range(5):
+            want = np.where(bits[g, p] == 1, want * pw[64 * p: 64 * p + 64], want)
+        if mode == 2:
+            want = np.where(bits[g].all(axis=0), np.float32(0), want)
+        for regs in ([True, False] if _jit.MASK_REGS else [False]):
+            s = np.full(64, 7.0, np.float32)
+            _scales_kernel(regs)(sc, planes, g, t0, pw, s, mode)
+            np.testing.assert_array_equal(s.view(np.uint32), want.astype(np.float32).view(np.uint32))

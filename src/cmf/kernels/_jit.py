@@ -155,70 +155,131 @@ def int8_f32(typingctx, b):  # noqa: ANN001
     return types.float32(types.int8), codegen
 
 
-@intrinsic
-def group_scales(typingctx, sc, planes, tg, t0, powers, s, mode):  # noqa: ANN001
-    """s[0:64] = the scales of the 64 rows of tile-group ``tg`` (tile·groups per row + group).
+# AVX-512's 16-lane mask registers: group_scales multiplies the powers in under a plane's bits
+# directly; without them (AVX2, NEON) it takes the lane masks from PLANE_MASKS.
+MASK_REGS = target_has("avx512f")
+# PLANE_MASKS[b, k] = -1 where bit k of the byte b is set, else 0: a plane byte's 8 lane masks
+PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
 
-    ``mode`` 0: f16 bits at ``sc[64·tg : 64·tg + 64]``. Otherwise from bit-sliced 5-bit codes
-    (40 bytes a tile-group): s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where
-    ``planes[40·tg + 8p : 40·tg + 8p + 8]`` is bit p of the 64 rows' codes (little-endian: bit
-    i = row i). Each 16-row slice of a plane is
-    reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
-    merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
-    (all bits set) get an exact 0.
 
-    An intrinsic rather than an inlined numba helper: a helper taking these arrays costs a
-    reference-count call per array and call, which inside the group loop of a tile was as much
-    as the group's integer work.
-    """
-    def codegen(context, builder, signature, args):
-        i1, i16, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(64), ir.FloatType()
-        scp, pl, t0p, pw, sp = (context.make_array(signature.args[k])(context, builder, args[k]).data
-                                for k in (0, 1, 3, 4, 5))
-        vf = ir.VectorType(f32, 16)
-        vm = ir.VectorType(i1, 16)
-        zeros = ir.Constant(vf, [0.0] * 16)
-        mode = args[6]
-        soff = builder.mul(args[2], ir.Constant(i64, 64))
-        base = builder.mul(args[2], ir.Constant(i64, 40))
+def _rungs_by_table(builder, pl, t0p, pw, sp, base, mode) -> None:  # noqa: ANN001
+    """group_scales' ladder for targets without mask registers (:data:`MASK_REGS`): 8 rows at
+    a time, each plane's byte → lane masks from :data:`PLANE_MASKS`, the factor
+    ((power ^ 1.0) & mask) ^ 1.0 (the power, or exactly 1.0), multiplied in in plane order as
+    the masked form does; mode 2 zeroes rows whose five bits are all set."""
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    table = cgutils.global_constant(builder.module, "cmf_plane_masks", ir.Constant(
+        ir.ArrayType(vi, 256), [ir.Constant(vi, [int(v) for v in row]) for row in PLANE_MASKS]))
+    one = ir.Constant(vi, [0x3F800000] * 8)
 
-        def store(c, v):
-            dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 16 * c)), vf.as_pointer())
+    def vload(ptr, off):  # noqa: ANN001, ANN202
+        return builder.load(builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer()), align=4)
+
+    def rungs(dead31: bool) -> None:
+        for c in range(8):  # rows 8c .. 8c + 7: byte c of each plane
+            v = vload(t0p, 8 * c)
+            every = None
+            for p in range(5):
+                byte = builder.load(cgutils.gep(builder, pl, builder.add(base, ir.Constant(i64, 8 * p + c))))
+                m = builder.load(builder.gep(table, [ir.Constant(i32, 0), builder.zext(byte, i32)]), align=32)
+                every = m if every is None else builder.and_(every, m)
+                power = builder.bitcast(vload(pw, 64 * p + 8 * c), vi)
+                factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
+                v = builder.fmul(v, builder.bitcast(factor, vf))
+            if dead31:  # code 31: an exact 0
+                v = builder.bitcast(builder.and_(builder.bitcast(v, vi), builder.xor(every, ir.Constant(vi, [-1] * 8))), vf)
+            dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 8 * c)), vf.as_pointer())
             builder.store(v, dst, align=4)
 
-        def vload(ptr, off):
-            p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
-            return builder.load(p, align=4)
+    with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
+        with dead:
+            rungs(True)
+        with live:
+            rungs(False)
 
-        with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 0))) as (f16, ladder):
-            with f16:
-                vh = ir.VectorType(i16, 16)
-                for c in range(4):
-                    at = builder.add(soff, ir.Constant(i64, 16 * c))
-                    raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
-                    store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
-            with ladder:
-                def rungs(dead31):
+
+def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intrinsic
+    """:func:`group_scales` with AVX-512's mask registers or, without them, the plane-mask table."""
+
+    @intrinsic
+    def group_scales(typingctx, sc, planes, tg, t0, powers, s, mode):  # noqa: ANN001
+        """s[0:64] = the scales of the 64 rows of tile-group ``tg`` (tile·groups per row + group).
+
+        ``mode`` 0: f16 bits at ``sc[64·tg : 64·tg + 64]``. Otherwise from bit-sliced 5-bit codes
+        (40 bytes a tile-group): s[i] = t0[i]·Π_p powers[p·64 + i]^bit_p(i), where
+        ``planes[40·tg + 8p : 40·tg + 8p + 8]`` is bit p of the 64 rows' codes (little-endian: bit
+        i = row i). Each 16-row slice of a plane is
+        reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
+        merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
+        (all bits set) get an exact 0.
+
+        Without AVX-512's mask registers (:data:`MASK_REGS`) the same products run on 8-row
+        slices: a plane's byte is looked up in a table of lane masks (:data:`PLANE_MASKS`), and the
+        factor is the power where the mask is set and exactly 1.0 elsewhere (``v·1.0 == v`` bit for
+        bit, so the scales equal the masked form's): no mask built from a broadcast, compare and
+        blend per plane, which made AVX2's scales cost as much as the group's integer dot.
+
+        An intrinsic rather than an inlined numba helper: a helper taking these arrays costs a
+        reference-count call per array and call, which inside the group loop of a tile was as much
+        as the group's integer work.
+        """
+        def codegen(context, builder, signature, args):
+            i1, i16, i64, f32 = ir.IntType(1), ir.IntType(16), ir.IntType(64), ir.FloatType()
+            scp, pl, t0p, pw, sp = (context.make_array(signature.args[k])(context, builder, args[k]).data
+                                    for k in (0, 1, 3, 4, 5))
+            vf = ir.VectorType(f32, 16)
+            vm = ir.VectorType(i1, 16)
+            zeros = ir.Constant(vf, [0.0] * 16)
+            mode = args[6]
+            soff = builder.mul(args[2], ir.Constant(i64, 64))
+            base = builder.mul(args[2], ir.Constant(i64, 40))
+
+            def store(c, v):
+                dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 16 * c)), vf.as_pointer())
+                builder.store(v, dst, align=4)
+
+            def vload(ptr, off):
+                p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
+                return builder.load(p, align=4)
+
+            with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 0))) as (f16, ladder):
+                with f16:
+                    vh = ir.VectorType(i16, 16)
                     for c in range(4):
-                        v = vload(t0p, 16 * c)
-                        every = ir.Constant(i16, 0xFFFF)
-                        for p in range(5):
-                            off = builder.add(base, ir.Constant(i64, 8 * p + 2 * c))
-                            ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
-                            bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
-                            every = builder.and_(every, bits)
-                            # v·power where the bit is set: one merge-masked multiply
-                            v = builder.select(builder.bitcast(bits, vm), builder.fmul(v, vload(pw, 64 * p + 16 * c)), v)
-                        store(c, builder.select(builder.bitcast(every, vm), zeros, v) if dead31 else v)
+                        at = builder.add(soff, ir.Constant(i64, 16 * c))
+                        raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
+                        store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
+                with ladder:
+                    def rungs(dead31):
+                        for c in range(4):
+                            v = vload(t0p, 16 * c)
+                            every = ir.Constant(i16, 0xFFFF)
+                            for p in range(5):
+                                off = builder.add(base, ir.Constant(i64, 8 * p + 2 * c))
+                                ptr16 = builder.bitcast(cgutils.gep(builder, pl, off), i16.as_pointer())
+                                bits = builder.load(ptr16, align=1)  # little-endian: bit k = row 16c + k
+                                every = builder.and_(every, bits)
+                                # v·power where the bit is set: one merge-masked multiply
+                                v = builder.select(builder.bitcast(bits, vm), builder.fmul(v, vload(pw, 64 * p + 16 * c)), v)
+                            store(c, builder.select(builder.bitcast(every, vm), zeros, v) if dead31 else v)
 
-                # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
-                with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
-                    with dead:
-                        rungs(True)
-                    with live:
-                        rungs(False)
-        return context.get_dummy_value()
-    return types.void(sc, planes, types.int64, t0, powers, s, types.int64), codegen
+                    # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
+                    if not mask_regs:
+                        _rungs_by_table(builder, pl, t0p, pw, sp, base, mode)
+                    else:
+                        with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
+                            with dead:
+                                rungs(True)
+                            with live:
+                                rungs(False)
+            return context.get_dummy_value()
+        return types.void(sc, planes, types.int64, t0, powers, s, types.int64), codegen
+
+    return group_scales
+
+
+group_scales = _make_group_scales(MASK_REGS)
 
 
 # ---------------------------------------------------------------------------------------------
