@@ -50,13 +50,23 @@ def call(s: ServerThread, method: str, path: str, body: dict | None = None) -> t
         conn.close()
 
 
+_CUT_CODE = {"truncated": "os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)",
+             "modified": "open(sys.argv[1], 'ab').write(bytes(4096))"}
+
+
 def _cut(path: Path, change: str) -> None:
     """Truncate ``path`` to half, or append to it (an in-place append's footprint: same inode, new
     size), from another process, as a writer would: the server's read lease (cmf/server/lease.py)
     makes it wait until the engine stopped reading the mapping."""
-    code = ("import os, sys; os.truncate(sys.argv[1], os.path.getsize(sys.argv[1]) // 2)" if change == "truncated"
-            else "import sys; open(sys.argv[1], 'ab').write(bytes(4096))")
-    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", "import os, sys; " + _CUT_CODE[change], str(path)], check=True, timeout=60)
+
+
+def _cutter(path: Path, change: str) -> subprocess.Popen:
+    """A process that makes :func:`_cut`'s change as soon as a line arrives on its stdin: started
+    beforehand, so the change lands within a millisecond of the trigger, not after an
+    interpreter's start-up (a fast host generates the whole test stream in a fraction of a second)."""
+    code = "import os, sys; sys.stdin.readline(); " + _CUT_CODE[change]
+    return subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE)
 
 
 def serve(path: Path):
@@ -163,11 +173,12 @@ def test_cut_while_a_request_generates_does_not_kill_the_server(tmp_path: Path, 
                 time.sleep(0.1)
         lines: list[bytes] = []
         started = threading.Event()
+        cutter = _cutter(path, change)
         reader = threading.Thread(target=_stream_lines, args=(port, lines, started), daemon=True)
         reader.start()
-        assert started.wait(30)
-        time.sleep(0.3)  # well into the generation
-        _cut(path, change)
+        assert started.wait(30)  # the first token is out: the engine is generating
+        cutter.communicate(b"cut\n", timeout=60)
+        assert cutter.returncode == 0
         reader.join(60)
         assert not reader.is_alive()
         time.sleep(0.2)

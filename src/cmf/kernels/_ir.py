@@ -288,6 +288,13 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 return [builder.and_(word if p == 0 else builder.lshr(word, ir.Constant(v16, [bits * p] * 16)), msk)
                         for p in range(phases)]
 
+            def store(c: int, sums: list) -> None:  # block c's S: S_0·2^14 + S_1·2^7 + S_2 (< 2^30 for 4-bit codes)
+                total = sums[0]
+                for j in range(1, pieces):
+                    total = builder.add(builder.shl(total, ir.Constant(v16, [7] * 16)), sums[j])
+                dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(_I64, 16 * c)), v16.as_pointer())
+                builder.store(total, dst, align=4)
+
             if (path or int_dot.DOT_PATH) == "vnni512":
                 # word by word, the 4 row blocks × pieces accumulators interleaved: 4·pieces
                 # independent vpdpbusd chains in flight (32 zmm registers hold them). Block by
@@ -300,18 +307,14 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                         for p, codes in enumerate(codes_of(w, c)):
                             for j in range(pieces):
                                 acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][w * phases + p])
-            else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers
-                acc = [[None] * 4 for _ in range(pieces)]
+                for c in range(4):
+                    store(c, [acc[j][c] for j in range(pieces)])
+            else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers,
+                # and its S is stored before the next block (holding every block's piece sums to the
+                # end kept 24 ymm live and spilled them)
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    for j, tot in enumerate(int_dot.group_dots(builder, codes, xs, path)):
-                        acc[j][c] = tot
-            for c in range(4):
-                total = acc[0][c]
-                for j in range(1, pieces):  # S_0·2^14 + S_1·2^7 + S_2: < 2^30 for 4-bit codes
-                    total = builder.add(builder.shl(total, ir.Constant(v16, [7] * 16)), acc[j][c])
-                dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(_I64, 16 * c)), v16.as_pointer())
-                builder.store(total, dst, align=4)
+                    store(c, int_dot.group_dots(builder, codes, xs, path))
             return context.get_dummy_value()
 
         return sig, codegen
