@@ -183,7 +183,8 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, mode) -> None:  # noqa: ANN0
             for p in range(5):
                 byte = builder.load(cgutils.gep(builder, pl, builder.add(base, ir.Constant(i64, 8 * p + c))))
                 m = builder.load(builder.gep(table, [ir.Constant(i32, 0), builder.zext(byte, i32)]), align=32)
-                every = m if every is None else builder.and_(every, m)
+                if dead31:
+                    every = m if every is None else builder.and_(every, m)
                 power = builder.bitcast(vload(pw, 64 * p + 8 * c), vi)
                 factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
                 v = builder.fmul(v, builder.bitcast(factor, vf))
