@@ -162,42 +162,37 @@ MASK_REGS = target_has("avx512f")
 PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
 
 
-def _rungs_by_table(builder, pl, t0p, pw, sp, base, mode) -> None:  # noqa: ANN001
+def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool) -> None:  # noqa: ANN001
     """group_scales' ladder for targets without mask registers (:data:`MASK_REGS`): 8 rows at
     a time, each plane's byte → lane masks from :data:`PLANE_MASKS`, the factor
     ((power ^ 1.0) & mask) ^ 1.0 (the power, or exactly 1.0), multiplied in in plane order as
-    the masked form does; mode 2 zeroes rows whose five bits are all set."""
+    the masked form does; ``dead31`` (mode 2) zeroes rows whose five bits are all set."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
-    table = cgutils.global_constant(builder.module, "cmf_plane_masks", ir.Constant(
-        ir.ArrayType(vi, 256), [ir.Constant(vi, [int(v) for v in row]) for row in PLANE_MASKS]))
+    table = builder.module.globals.get("cmf_plane_masks")  # one copy per module, however many calls
+    if table is None:
+        table = cgutils.global_constant(builder.module, "cmf_plane_masks", ir.Constant(
+            ir.ArrayType(vi, 256), [ir.Constant(vi, [int(v) for v in row]) for row in PLANE_MASKS]))
     one = ir.Constant(vi, [0x3F800000] * 8)
 
     def vload(ptr, off):  # noqa: ANN001, ANN202
         return builder.load(builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer()), align=4)
 
-    def rungs(dead31: bool) -> None:
-        for c in range(8):  # rows 8c .. 8c + 7: byte c of each plane
-            v = vload(t0p, 8 * c)
-            every = None
-            for p in range(5):
-                byte = builder.load(cgutils.gep(builder, pl, builder.add(base, ir.Constant(i64, 8 * p + c))))
-                m = builder.load(builder.gep(table, [ir.Constant(i32, 0), builder.zext(byte, i32)]), align=32)
-                if dead31:
-                    every = m if every is None else builder.and_(every, m)
-                power = builder.bitcast(vload(pw, 64 * p + 8 * c), vi)
-                factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
-                v = builder.fmul(v, builder.bitcast(factor, vf))
-            if dead31:  # code 31: an exact 0
-                v = builder.bitcast(builder.and_(builder.bitcast(v, vi), builder.xor(every, ir.Constant(vi, [-1] * 8))), vf)
-            dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 8 * c)), vf.as_pointer())
-            builder.store(v, dst, align=4)
-
-    with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
-        with dead:
-            rungs(True)
-        with live:
-            rungs(False)
+    for c in range(8):  # rows 8c .. 8c + 7: byte c of each plane
+        v = vload(t0p, 8 * c)
+        every = None
+        for p in range(5):
+            byte = builder.load(cgutils.gep(builder, pl, builder.add(base, ir.Constant(i64, 8 * p + c))))
+            m = builder.load(builder.gep(table, [ir.Constant(i32, 0), builder.zext(byte, i32)]), align=32)
+            if dead31:
+                every = m if every is None else builder.and_(every, m)
+            power = builder.bitcast(vload(pw, 64 * p + 8 * c), vi)
+            factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
+            v = builder.fmul(v, builder.bitcast(factor, vf))
+        if dead31:  # code 31: an exact 0
+            v = builder.bitcast(builder.and_(builder.bitcast(v, vi), builder.xor(every, ir.Constant(vi, [-1] * 8))), vf)
+        dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 8 * c)), vf.as_pointer())
+        builder.store(v, dst, align=4)
 
 
 def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intrinsic
@@ -265,15 +260,14 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
                                 v = builder.select(builder.bitcast(bits, vm), builder.fmul(v, vload(pw, 64 * p + 16 * c)), v)
                             store(c, builder.select(builder.bitcast(every, vm), zeros, v) if dead31 else v)
 
-                    # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
                     if not mask_regs:
-                        _rungs_by_table(builder, pl, t0p, pw, sp, base, mode)
-                    else:
-                        with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
-                            with dead:
-                                rungs(True)
-                            with live:
-                                rungs(False)
+                        rungs = lambda dead31: _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31)  # noqa: E731
+                    # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
+                    with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
+                        with dead:
+                            rungs(True)
+                        with live:
+                            rungs(False)
             return context.get_dummy_value()
         return types.void(sc, planes, types.int64, t0, powers, s, types.int64), codegen
 
