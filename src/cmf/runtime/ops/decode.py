@@ -21,6 +21,7 @@ from numba import prange
 
 from ...numba_prims import chunk
 from ...kernels.vmath import exp_f32
+from .attend_ir import LANES, head_dots, weigh_rows1, weigh_rows2, weigh_rows4
 from .kv_values import as_f32, put_entry
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
@@ -174,6 +175,19 @@ def qk_norm_rope(q, k, qn, kn, eps, cos, sin):  # pragma: no cover - compiled
         rope_into(k, cos, sin)
 
 
+@numba.njit(inline="always")
+def padded(n):  # pragma: no cover - compiled
+    """Row length of a scores buffer for n positions: the vector bodies write whole blocks."""
+    return max((n + LANES - 1) // LANES * LANES, 1)
+
+
+@numba.njit(inline="always")
+def _vector_rows(x):  # pragma: no cover - compiled
+    """Whether the vector bodies of attend_ir can read x: its last axis contiguous, a multiple
+    of the lane width long."""
+    return x.shape[x.ndim - 1] % LANES == 0 and x.strides[x.ndim - 1] == x.itemsize
+
+
 @numba.njit(**_FAST)
 def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover - compiled
     """p[j, s] = scale·q_j·k_{lo+s} (soft-capped) for every query head j, and mx[j] its max.
@@ -184,8 +198,20 @@ def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover 
     have just flushed the caches). Each key row is loaded once for its whole group of query
     heads."""
     d = q.shape[1]
+    n = hi - lo
+    if _vector_rows(q) and _vector_rows(keys) and p.shape[1] >= padded(n):
+        head_dots(q, keys, group, lo, n, scale, p, mx)
+        if softcap > 0:
+            for j in range(q.shape[0]):
+                top = -np.inf
+                for s in range(n):
+                    v = np.tanh(p[j, s] / softcap) * softcap
+                    p[j, s] = v
+                    top = max(top, v)
+                mx[j] = top
+        return
     mx[:] = -np.inf  # running max (no separate pass: a max reduction does not vectorize without nnan)
-    for s in range(hi - lo):
+    for s in range(n):
         for h in range(keys.shape[1]):
             kr = keys[lo + s, h]
             for g in range(group):
@@ -214,6 +240,15 @@ def _weigh(vals, group, lo, n, p, mx, tot, out):  # pragma: no cover - compiled
             pj[s] = e
             t += e
         tot[j] = t
+    if _vector_rows(vals) and _vector_rows(out):
+        chunks = dv // LANES
+        if chunks % 4 == 0:
+            weigh_rows4(p, vals, group, lo, n, out)
+        elif chunks % 2 == 0:
+            weigh_rows2(p, vals, group, lo, n, out)
+        else:
+            weigh_rows1(p, vals, group, lo, n, out)
+        return
     out[:, :] = 0
     for s in range(n):
         for h in range(vals.shape[1]):
@@ -242,7 +277,7 @@ def attend_one(q, keys, vals, pos, k0, scale, window, softcap, out):  # pragma: 
     H = q.shape[0]
     group = H // keys.shape[1]
     lo, hi = _span(keys.shape[0], pos, k0, window)
-    p = np.empty((H, max(hi - lo, 1)), np.float32)
+    p = np.empty((H, padded(hi - lo)), np.float32)
     mx = np.empty(H, np.float32)
     tot = np.empty(H, np.float32)
     _scores(q, keys, group, lo, hi, np.float32(scale), np.float32(softcap), p, mx)
@@ -266,7 +301,7 @@ def split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx, tot, p
     tot[:] = 0
     part[:, :] = 0
     if a < b:
-        p = np.empty((H, b - a), np.float32)
+        p = np.empty((H, padded(b - a)), np.float32)
         _scores(q, keys, group, lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx)
         _weigh(vals, group, lo + a, b - a, p, mx, tot, part)
 
