@@ -7,8 +7,8 @@ by round with the order flipped every round, so background load hits every cell 
 
 ``--old``/``--new`` are checked out with ``git worktree`` into a temporary folder (``--new``
 defaults to the working tree itself); each version × CPU keeps its own numba cache, warmed by one
-untimed process before the rounds. A cell = decode (64 tokens after a 32-token prompt, best of
-two) and prefill (512 tokens, best of two), as benchmarks/runtime.py measures them; reported as
+untimed process before the rounds. A cell = decode (64 tokens after a 32-token prompt, or
+``--context N`` tokens; best of two) and prefill (512 tokens, best of two), as benchmarks/runtime.py measures them; reported as
 the median over rounds and new ÷ old per round (median and range). ``--int8`` adds every cell
 again with int8 activations (``CMF_INT8_ACT=1``). Prints a Markdown table; nothing is written.
 """
@@ -38,14 +38,14 @@ def checkout(rev: str, into: Path) -> Path:
     return dest / "src"
 
 
-def run_cell(src: Path, model: str, threads: int, cpu: str, int8: bool, cache: Path) -> dict:
+def run_cell(src: Path, model: str, threads: int, cpu: str, int8: bool, cache: Path, context: int = 32) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src), NUMBA_CACHE_DIR=str(cache))
     env.pop("CMF_INT8_ACT", None)
     if int8:
         env["CMF_INT8_ACT"] = "1"
     if cpu:  # the CPU's own features and sgemm, not the host's (docs/PERFORMANCE.md "Without AVX-512")
         env.update(cpu_env(cpu))
-    r = subprocess.run([sys.executable, "-c", WORKER, "matrix", model, str(threads)], env=env,
+    r = subprocess.run([sys.executable, "-c", WORKER, "matrix", model, str(threads), str(context)], env=env,
                        capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise RuntimeError(f"{src} {model} cpu={cpu or 'native'}: {r.stderr[-2000:]}")
@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--int8", action="store_true", help="also every cell with CMF_INT8_ACT=1")
+    ap.add_argument("--context", type=int, default=32,
+                    help="prompt tokens before the 64 timed decode steps (attention reads that many and more)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cmf-ab-"))
     versions = {"old": checkout(args.old, work),
@@ -74,16 +76,17 @@ def main() -> None:
 
     for cell in cells:  # compile and pack once per version, untimed
         for v, src in versions.items():
-            run_cell(src, cell[0], args.threads, cell[1], cell[2], cache(v, cell[1]))
+            run_cell(src, cell[0], args.threads, cell[1], cell[2], cache(v, cell[1]), args.context)
     for rnd in range(args.rounds):
         order = ["old", "new"] if rnd % 2 == 0 else ["new", "old"]
         for cell in cells:
             for v in order:
-                r = run_cell(versions[v], cell[0], args.threads, cell[1], cell[2], cache(v, cell[1]))
+                r = run_cell(versions[v], cell[0], args.threads, cell[1], cell[2], cache(v, cell[1]), args.context)
                 got[cell][v].append(r)
                 print(f"round {rnd + 1} {v} {Path(cell[0]).name} {cell[1] or 'native'}{' +i8' if cell[2] else ''}: "
                       f"decode {r['decode_tps']:.1f} prefill {r['prefill_tps']:.1f}", file=sys.stderr, flush=True)
-    print(f"old = {args.old}, new = {args.new or 'working tree'}; {args.threads} threads, {args.rounds} rounds\n")
+    print(f"old = {args.old}, new = {args.new or 'working tree'}; {args.threads} threads, {args.rounds} rounds, "
+          f"decode after a {args.context}-token prompt\n")
     print("| file | cpu | decode old → new (median t/s) | new ÷ old, median (range) "
           "| prefill-512 old → new | new ÷ old, median (range) |")
     print("|---|---|---|---|---|---|")

@@ -55,12 +55,13 @@ import json, sys, time
 T0 = time.time()
 import numpy as np
 mode, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+context = int(sys.argv[4]) if len(sys.argv) > 4 else 32  # prompt tokens before the timed decode
 from cmf import kernels
 from cmf.runtime.model import load
 m = load(path, threads=threads)
 kernels.set_threads(threads)
 rng = np.random.default_rng(0)
-ids = rng.integers(0, m.plan.vocab, 512)
+ids = rng.integers(0, m.plan.vocab, max(512, context))
 out = {}
 if mode == "ttft":
     tok = int(np.argmax(m.prefill(ids[:32], m.new_cache())))
@@ -71,14 +72,14 @@ else:
     for _ in range(2):
         t0 = time.perf_counter()
         c = m.new_cache()
-        m.prefill(ids, c)
+        m.prefill(ids[:512], c)
         best = max(best, 512 / (time.perf_counter() - t0))
     out["prefill_tps"] = best
     out["kv_bytes_512"] = sum(L.k.nbytes + L.v.nbytes for L in c.layers if hasattr(L, "k"))
     best = 0.0
     for _ in range(2):
         c = m.new_cache()
-        tok = int(np.argmax(m.prefill(ids[:32], c)))
+        tok = int(np.argmax(m.prefill(ids[:context], c)))
         t0 = time.perf_counter()
         for _ in range(64):
             tok = int(np.argmax(m.forward([tok], c)[-1]))
