@@ -8,9 +8,10 @@ by round with the order flipped every round, so background load hits every cell 
 ``--old``/``--new`` are checked out with ``git worktree`` into a temporary folder (``--new``
 defaults to the working tree itself); each version × CPU keeps its own numba cache, warmed by one
 untimed process before the rounds. A cell = decode (64 tokens after a 32-token prompt, or
-``--context N`` tokens; best of two) and prefill (512 tokens, best of two), as benchmarks/runtime.py measures them; reported as
-the median over rounds and new ÷ old per round (median and range). ``--int8`` adds every cell
-again with int8 activations (``CMF_INT8_ACT=1``). Prints a Markdown table; nothing is written.
+``--context N`` tokens; best of two) and prefill (512 tokens, best of two), as
+benchmarks/runtime.py measures them; reported as the median over rounds and new ÷ old per round
+(median and range). ``--int8`` adds every cell again with int8 activations (``CMF_INT8_ACT=1``).
+Prints a Markdown table; nothing is written.
 """
 
 from __future__ import annotations

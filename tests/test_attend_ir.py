@@ -111,4 +111,5 @@ def test_head_dots_writes_whole_blocks_and_the_live_maximum() -> None:
             s = keys[lo:lo + n, j // 2].astype(np.float64) @ q[j] * 0.5
             np.testing.assert_allclose(p[j, :n], s, rtol=1e-5, atol=1e-5)
             assert mx[j] == (p[j, :n].max() if n else -np.inf)
-            np.testing.assert_allclose(out[j], p[j, :n].astype(np.float64) @ vals[lo:lo + n, j // 2], rtol=1e-4, atol=1e-4)
+            want = p[j, :n].astype(np.float64) @ vals[lo:lo + n, j // 2]
+            np.testing.assert_allclose(out[j], want, rtol=1e-4, atol=1e-4)

@@ -49,6 +49,11 @@ def _at(builder, base, *terms):  # noqa: ANN001, ANN202
     return builder.gep(base, [off])
 
 
+def _floats_at(builder, base, index, ty):  # noqa: ANN001, ANN202
+    """Pointer of type ``ty*`` to the float32 element ``index`` (an i64) after byte pointer ``base``."""
+    return builder.bitcast(builder.gep(base, [builder.mul(index, ir.Constant(_I64, 4))]), ty.as_pointer())
+
+
 def _load_row(builder, ptr, is_f16: bool, lanes: int):  # noqa: ANN001, ANN202
     """``lanes`` floats at a byte pointer: float32, or f16 bits widened (``vcvtph2ps``)."""
     if is_f16:
@@ -119,7 +124,7 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
             pp, _, pst = _array(context, builder, signature.args[6], args[6])
             mp, _, mst = _array(context, builder, signature.args[7], args[7])
             group, lo, n, scale = args[2], args[3], args[4], args[5]
-            one, four, nl = ir.Constant(_I64, 1), ir.Constant(_I64, 4), ir.Constant(_I64, lanes)
+            one, nl = ir.Constant(_I64, 1), ir.Constant(_I64, lanes)
             esize = ir.Constant(_I64, 2 if is_f16 else 4)
             chunks = builder.sdiv(qsh[1], nl)
             last = builder.sub(n, one)
@@ -144,15 +149,14 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                         builder.store(ir.Constant(vf, [0.0] * lanes), a)
                     with cgutils.for_range(builder, chunks) as ch:
                         c = ch.index
-                        qv = builder.load(builder.bitcast(builder.gep(qrow, [builder.mul(c, ir.Constant(_I64, 4 * lanes))]),
-                                                          vf.as_pointer()), align=4)
+                        qv = builder.load(_floats_at(builder, qrow, builder.mul(c, nl), vf), align=4)
                         koff = builder.mul(c, builder.mul(esize, nl))
                         for t in range(lanes):
                             kv = _load_row(builder, builder.gep(rows[t], [koff]), is_f16, lanes)
                             builder.store(_fmuladd(builder, qv, kv, builder.load(accs[t])), accs[t])
                     r = builder.fmul(transpose_sum(builder, [builder.load(a) for a in accs]), sv)
                     prow = _at(builder, pp, (j, pst[0]))
-                    builder.store(r, builder.bitcast(builder.gep(prow, [builder.mul(s0, four)]), vf.as_pointer()), align=4)
+                    builder.store(r, _floats_at(builder, prow, s0, vf), align=4)
             # the maxima: one vector pass over each row, the last block's spare lanes left out
             lane_ids = ir.Constant(vi, list(range(lanes)))
             with cgutils.for_range(builder, qsh[0]) as hj:
@@ -161,8 +165,9 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                 builder.store(ninf, top)
                 with cgutils.for_range(builder, blocks) as blk:
                     s0 = builder.mul(blk.index, nl)
-                    r = builder.load(builder.bitcast(builder.gep(prow, [builder.mul(s0, four)]), vf.as_pointer()), align=4)
-                    live = builder.icmp_signed("<", builder.add(_splat(builder, s0, vi), lane_ids), _splat(builder, n, vi))
+                    r = builder.load(_floats_at(builder, prow, s0, vf), align=4)
+                    spots = builder.add(_splat(builder, s0, vi), lane_ids)
+                    live = builder.icmp_signed("<", spots, _splat(builder, n, vi))
                     r = builder.select(live, r, ninf)
                     cur = builder.load(top)
                     builder.store(builder.select(builder.fcmp_ordered(">", r, cur), r, cur), top)
@@ -202,16 +207,16 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
             op, osh, ost = _array(context, builder, signature.args[5], args[5])
             group, lo, n = args[2], args[3], args[4]
             esize = 2 if is_f16 else 4
-            zero, one, two, four = (ir.Constant(_I64, v) for v in (0, 1, 2, 4))
+            one, two = ir.Constant(_I64, 1), ir.Constant(_I64, 2)
             step = lanes * u
             sets = builder.sdiv(osh[1], ir.Constant(_I64, step))
             accs = [[cgutils.alloca_once(builder, vf) for _ in range(u)] for _ in range(2)]
             zv = ir.Constant(vf, [0.0] * lanes)
+            nl = ir.Constant(_I64, lanes)
             with cgutils.for_range(builder, osh[0]) as hj:  # out = 0
                 orow = _at(builder, op, (hj.index, ost[0]))
-                with cgutils.for_range(builder, builder.sdiv(osh[1], ir.Constant(_I64, lanes))) as c:
-                    dst = builder.gep(orow, [builder.mul(c.index, ir.Constant(_I64, 4 * lanes))])
-                    builder.store(zv, builder.bitcast(dst, vf.as_pointer()), align=4)
+                with cgutils.for_range(builder, builder.sdiv(osh[1], nl)) as c:
+                    builder.store(zv, _floats_at(builder, orow, builder.mul(c.index, nl), vf), align=4)
             nb = ir.Constant(_I64, WEIGH_BLOCK)
             blocks = builder.sdiv(builder.add(n, ir.Constant(_I64, WEIGH_BLOCK - 1)), nb)
             with cgutils.for_range(builder, blocks) as blk:
@@ -227,13 +232,13 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                         c0 = builder.mul(cs.index, ir.Constant(_I64, step))
 
                         def position(s, acc):  # noqa: ANN001, ANN202 - acc[k] += p[j, s0 + s]·v[s0 + s, chunk k]
-                            w = builder.load(builder.bitcast(builder.gep(prow, [builder.mul(builder.add(s0, s), four)]),
-                                                             _F32.as_pointer()))
+                            w = builder.load(_floats_at(builder, prow, builder.add(s0, s), _F32))
                             wv = _splat(builder, w, vf)
                             row = builder.gep(vrow0, [builder.add(builder.mul(s, vst[0]),
                                                                   builder.mul(c0, ir.Constant(_I64, esize)))])
                             for k, a in enumerate(acc):
-                                vv = _load_row(builder, builder.gep(row, [ir.Constant(_I64, k * lanes * esize)]), is_f16, lanes)
+                                at = builder.gep(row, [ir.Constant(_I64, k * lanes * esize)])
+                                vv = _load_row(builder, at, is_f16, lanes)
                                 builder.store(_fmuladd(builder, wv, vv, builder.load(a)), a)
 
                         for a in accs[0] + accs[1]:
@@ -245,11 +250,9 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                         with builder.if_then(builder.icmp_signed("==", builder.srem(m, two), one)):
                             position(builder.sub(m, one), accs[0])
                         for k in range(u):
-                            dst = builder.bitcast(builder.gep(orow, [builder.mul(builder.add(c0, ir.Constant(_I64, k * lanes)),
-                                                                                 four)]), vf.as_pointer())
+                            dst = _floats_at(builder, orow, builder.add(c0, ir.Constant(_I64, k * lanes)), vf)
                             total = builder.fadd(builder.load(accs[0][k]), builder.load(accs[1][k]))
                             builder.store(builder.fadd(builder.load(dst, align=4), total), dst, align=4)
-            del zero
             return context.get_dummy_value()
 
         return sig, codegen
