@@ -54,6 +54,20 @@ def _floats_at(builder, base, index, ty):  # noqa: ANN001, ANN202
     return builder.bitcast(builder.gep(base, [builder.mul(index, ir.Constant(_I64, 4))]), ty.as_pointer())
 
 
+def _prefetch_rows(builder, base, first, stop, stride):  # noqa: ANN001, ANN202
+    """Prefetch (into L1) every cache line of rows [first, stop) at byte ``stride`` apart from
+    ``base`` — the next block's rows while this block computes (rows are contiguous)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    start = builder.mul(first, stride)
+    span = builder.sub(builder.mul(stop, stride), start)
+    lines = builder.sdiv(builder.add(span, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
+    with cgutils.for_range(builder, lines) as ln:
+        at = builder.gep(base, [builder.add(start, builder.mul(ln.index, ir.Constant(_I64, 64)))])
+        builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, L1, data
+
+
 def _load_row(builder, ptr, is_f16: bool, lanes: int):  # noqa: ANN001, ANN202
     """``lanes`` floats at a byte pointer: float32, or f16 bits widened (``vcvtph2ps``)."""
     if is_f16:
@@ -133,8 +147,14 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
             top = cgutils.alloca_once(builder, vf)
             sv = _splat(builder, scale, vf)
             ninf = ir.Constant(vf, [float("-inf")] * lanes)
+            kbase = _at(builder, kp, (lo, kst[0]))
             with cgutils.for_range(builder, blocks) as blk:
                 s0 = builder.mul(blk.index, nl)
+                nxt = builder.add(s0, nl)
+                stop = builder.add(nxt, nl)
+                stop = builder.select(builder.icmp_signed("<", stop, n), stop, n)
+                with builder.if_then(builder.icmp_signed("<", nxt, stop)):
+                    _prefetch_rows(builder, kbase, nxt, stop, kst[0])
                 offs = []
                 for t in range(lanes):  # spare lanes of the last block re-read its last row
                     s = builder.add(s0, ir.Constant(_I64, t))
@@ -217,12 +237,16 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                 orow = _at(builder, op, (hj.index, ost[0]))
                 with cgutils.for_range(builder, builder.sdiv(osh[1], nl)) as c:
                     builder.store(zv, _floats_at(builder, orow, builder.mul(c.index, nl), vf), align=4)
+            vbase = _at(builder, vp, (lo, vst[0]))
             nb = ir.Constant(_I64, WEIGH_BLOCK)
             blocks = builder.sdiv(builder.add(n, ir.Constant(_I64, WEIGH_BLOCK - 1)), nb)
             with cgutils.for_range(builder, blocks) as blk:
                 s0 = builder.mul(blk.index, nb)
                 s1 = builder.select(builder.icmp_signed("<", builder.add(s0, nb), n), builder.add(s0, nb), n)
                 m = builder.sub(s1, s0)
+                s2 = builder.select(builder.icmp_signed("<", builder.add(s1, nb), n), builder.add(s1, nb), n)
+                with builder.if_then(builder.icmp_signed("<", s1, s2)):
+                    _prefetch_rows(builder, vbase, s1, s2, vst[0])
                 with cgutils.for_range(builder, osh[0]) as hj:
                     j = hj.index
                     prow = _at(builder, pp, (j, pst[0]))
