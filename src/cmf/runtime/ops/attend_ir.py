@@ -148,6 +148,8 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
             sv = _splat(builder, scale, vf)
             ninf = ir.Constant(vf, [float("-inf")] * lanes)
             kbase = _at(builder, kp, (lo, kst[0]))
+            first = builder.select(builder.icmp_signed("<", nl, n), nl, n)
+            _prefetch_rows(builder, kbase, ir.Constant(_I64, 0), first, kst[0])  # block 0: its lines at once
             with cgutils.for_range(builder, blocks) as blk:
                 s0 = builder.mul(blk.index, nl)
                 nxt = builder.add(s0, nl)
@@ -282,6 +284,20 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
         return sig, codegen
 
     return weigh_rows
+
+
+@intrinsic
+def prefetch_rows(typingctx, a, lo, n):  # noqa: ANN001
+    """Prefetch rows [lo, lo + n) of ``a``'s first axis into L1 (rows contiguous): the value rows
+    the weighing will read first, asked for before the softmax's exp pass."""
+    sig = types.void(a, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ap, _, ast = _array(context, builder, signature.args[0], args[0])
+        _prefetch_rows(builder, ap, args[1], builder.add(args[1], args[2]), ast[0])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 head_dots = _make_head_dots(LANES)

@@ -21,7 +21,7 @@ from numba import prange
 
 from ...numba_prims import chunk
 from ...kernels.vmath import exp_f32
-from .attend_ir import LANES, head_dots, weigh_rows1, weigh_rows2, weigh_rows4
+from .attend_ir import LANES, WEIGH_BLOCK, head_dots, prefetch_rows, weigh_rows1, weigh_rows2, weigh_rows4
 from .kv_values import as_f32, put_entry
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
@@ -188,6 +188,14 @@ def _vector_rows(x):  # pragma: no cover - compiled
     return x.shape[x.ndim - 1] % LANES == 0 and x.strides[x.ndim - 1] == x.itemsize
 
 
+@numba.njit(inline="always")
+def _first_values(vals, lo, n):  # pragma: no cover - compiled
+    """Ask for the value rows the weighing reads first (a block of them) before the scores are
+    computed: they arrive meanwhile instead of stalling the weighing's first block."""
+    if _vector_rows(vals):
+        prefetch_rows(vals, lo, min(n, WEIGH_BLOCK))
+
+
 @numba.njit(**_FAST)
 def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover - compiled
     """p[j, s] = scale·q_j·k_{lo+s} (soft-capped) for every query head j, and mx[j] its max.
@@ -231,6 +239,7 @@ def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover 
 def _weigh(vals, group, lo, n, p, mx, tot, out):  # pragma: no cover - compiled
     """p[j] = exp(p[j] − mx[j]), tot[j] = Σ p[j], out[j] = Σ_s p[j, s]·v_{lo+s} (unnormalized)."""
     dv = vals.shape[2]
+    vector = _vector_rows(vals) and _vector_rows(out)
     for j in range(p.shape[0]):
         pj = p[j]
         top = mx[j]
@@ -240,7 +249,7 @@ def _weigh(vals, group, lo, n, p, mx, tot, out):  # pragma: no cover - compiled
             pj[s] = e
             t += e
         tot[j] = t
-    if _vector_rows(vals) and _vector_rows(out):
+    if vector:
         chunks = dv // LANES
         if chunks % 4 == 0:
             weigh_rows4(p, vals, group, lo, n, out)
@@ -280,6 +289,7 @@ def attend_one(q, keys, vals, pos, k0, scale, window, softcap, out):  # pragma: 
     p = np.empty((H, padded(hi - lo)), np.float32)
     mx = np.empty(H, np.float32)
     tot = np.empty(H, np.float32)
+    _first_values(vals, lo, hi - lo)
     _scores(q, keys, group, lo, hi, np.float32(scale), np.float32(softcap), p, mx)
     _weigh(vals, group, lo, hi - lo, p, mx, tot, out)
     for j in range(H):
@@ -302,6 +312,7 @@ def split_part(q, keys, vals, pos, k0, scale, window, softcap, nt, c, mx, tot, p
     part[:, :] = 0
     if a < b:
         p = np.empty((H, padded(b - a)), np.float32)
+        _first_values(vals, lo + a, b - a)
         _scores(q, keys, group, lo + a, lo + b, np.float32(scale), np.float32(softcap), p, mx)
         _weigh(vals, group, lo + a, b - a, p, mx, tot, part)
 
