@@ -4,19 +4,23 @@ the probability-weighted sum of their values, with explicit float vectors of the
 Why not numba loops: a score is a 64–256-element dot product, and the position-major loop that
 streams the cache in address order reduced every (position, head) product to a scalar on its own
 — a horizontal sum per score, plus a store of the whole output row per (position, head) in the
-value pass. Inside a decode step that made attention cost ~0.1 µs per cached position and layer
-on SmolLM2-135M (9 heads of 64), 15% of a step at 200 positions. Here:
+value pass: ~80–88 ns per cached position for SmolLM2-135M's 9 heads of 64. Here (42–55 ns):
 
-- :data:`head_dots`: for one query head and ``L`` positions at a time (``L`` = 16 lanes with
-  AVX-512, else 8), ``L`` vector accumulators each take one position's element-wise products
-  chunk by chunk; one transposing reduction (``L − 1`` adds, ``2(L − 1)`` shuffles) then gives the
-  ``L`` scores as one vector, scaled and stored, and a vector running maximum.
-- :data:`weigh_rows`: for one query head, ``U`` chunks of its output row stay in registers over
-  every position (a broadcast of the position's weight and ``U`` multiply-adds), stored once.
+- :data:`head_dots`: blocks of ``L`` positions (``L`` = 16 lanes with AVX-512, else 8), every
+  head inside a block, so the block's key rows stay in L1 while the heads read them; per head,
+  ``L`` vector accumulators each take one position's element-wise products chunk by chunk, and
+  one transposing reduction (``L − 1`` adds, ``2(L − 1)`` shuffles) gives the ``L`` scores as one
+  vector; a vector pass then finds each head's maximum.
+- ``weigh_rows{1,2,4}``: blocks of :data:`WEIGH_BLOCK` positions, every head inside; ``U`` chunks
+  of a head's output row stay in registers over the block's positions (even and odd positions in
+  two sets), added to the row once.
+- Each block prefetches the next one's rows; :func:`prefetch_rows` asks for a first block early.
 
 Keys and values are float32 or f16 bits (uint16, widened in registers). The arrays' strides are
-read from their descriptors: only each cache row's elements must be contiguous, which the callers
-check (:func:`vector_rows`). The lane width follows the CPU numba compiles for.
+read from their descriptors: only each cache row's elements must be contiguous and a multiple of
+the lane width long, which the callers check (``decode._vector_rows``). The lane width follows
+the CPU numba compiles for. Multiply-adds are ``llvm.fmuladd`` so that every caller of a body
+rounds alike.
 """
 
 from __future__ import annotations

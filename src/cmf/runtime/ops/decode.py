@@ -200,7 +200,9 @@ def _first_values(vals, lo, n):  # pragma: no cover - compiled
 def _scores(q, keys, group, lo, hi, scale, softcap, p, mx):  # pragma: no cover - compiled
     """p[j, s] = scale·q_j·k_{lo+s} (soft-capped) for every query head j, and mx[j] its max.
 
-    Position-major: for each cache entry the KV heads' rows are adjacent in memory
+    Rows the vector bodies can read (contiguous, a multiple of the lane width) go to
+    :func:`~.attend_ir.head_dots`: blocks of positions, every head inside a block. Otherwise
+    this loop, position-major: for each cache entry the KV heads' rows are adjacent in memory
     ([S, KV, D]), so the keys stream through once in address order; a head-major loop strided
     2 KB per entry and ran latency-bound (2× slower inside a decode step, where the products
     have just flushed the caches). Each key row is loaded once for its whole group of query
