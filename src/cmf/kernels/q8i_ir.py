@@ -7,7 +7,8 @@ each group g this kernel forms, per row and vector, the exact integer
 
     I_g = Σ_k u_k·x_k − 128·Σ_k x_k = Σ_k q_k·x_k
 
-(x: the vector's int8 activations of the group; ``xc`` holds 128·Σ x_k) and accumulates
+(x: the vector's int8 activations of the group; ``xc`` holds 128·Σ x_k — on the 512-bit VNNI path
+the integer chain starts at −128·Σ x_k instead of subtracting it per 16 rows) and accumulates
 ``acc = fma(float(I_g), d_g, acc)`` over the groups in order (d_g: the group's activation scale).
 Each (row, vector) value is thus one fixed sequence of operations whatever the number of vectors
 per call or the CPU: a sequence's product never depends on the rest of its batch.
@@ -38,19 +39,23 @@ GROUP_BYTES = ROWS * WORDS * 4  # one block's bytes per group (1 KB)
 MAX_VECS = 4
 
 
-def _integer_sums(builder, codes: list, xs: list, path: str) -> list:  # noqa: ANN001
-    """codes[b][w]: <16 x i32> of 16 rows' word w; xs[v][w]: vector v's word w (i32).
-    Returns sums[b][v] = per lane Σ_w Σ_bytes u·x (exact, u the unsigned code bytes)."""
+def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list:  # noqa: ANN001
+    """codes[b][w]: <16 x i32> of 16 rows' word w; xs[v][w]: vector v's word w (i32); corr[v]:
+    vector v's correction (<16 x i32>, 128·Σx in every lane). Returns sums[b][v] = per lane
+    Σ_w Σ_bytes u·x − corr[v] = Σ q·x (exact, u the unsigned code bytes)."""
     if path == "vnni512":  # word by word, every (block, vector) chain interleaved
         splat = [[ir_splat(builder, x, _V16) for x in xv] for xv in xs]
-        acc = [[ir.Constant(_V16, [0] * 16) for _ in xs] for _ in codes]
+        # the chains start at −corr: the same integers without a subtraction per 16 rows
+        neg = [builder.sub(ir.Constant(_V16, [0] * 16), c) for c in corr]
+        acc = [[neg[v] for v in range(len(xs))] for _ in codes]
         for w in range(WORDS):
             for b in range(len(codes)):
                 for v in range(len(xs)):
                     acc[b][v] = int_dot.vnni512_acc(builder, acc[b][v], codes[b][w], splat[v][w])
         return acc
     if path == "avxvnni":  # vpdpbusd takes any unsigned byte (no saturation)
-        return [[int_dot.group_dot(builder, list(zip(cb, xv)), path) for xv in xs] for cb in codes]
+        return [[builder.sub(int_dot.group_dot(builder, list(zip(cb, xv)), path), c) for xv, c in zip(xs, corr)]
+                for cb in codes]
     # AVX2 / portable: bytes as two nibbles, each within the 4-bit forms' bounds
     low = ir.Constant(_V16, [0x0F0F0F0F] * 16)
     four = ir.Constant(_V16, [4] * 16)
@@ -60,7 +65,7 @@ def _integer_sums(builder, codes: list, xs: list, path: str) -> list:  # noqa: A
         lo = [builder.and_(c, low) for c in cb]
         sh = int_dot.group_dots(builder, hi, xs, path)
         sl = int_dot.group_dots(builder, lo, xs, path)
-        out.append([builder.add(builder.shl(h, four), lo_) for h, lo_ in zip(sh, sl)])
+        out.append([builder.sub(builder.add(builder.shl(h, four), lo_), c) for h, lo_, c in zip(sh, sl, corr)])
     return out
 
 
@@ -105,13 +110,13 @@ def _make(nvecs: int, path: str | None = None):  # noqa: ANN202 - returns a numb
                                      builder.mul(g, ir.Constant(_I64, WORDS)))
                     xs.append([builder.load(cgutils.gep(builder, xp, builder.add(at, ir.Constant(_I64, w))))
                                for w in range(WORDS)])
-                sums = _integer_sums(builder, codes, xs, use)
+                ks = [builder.add(builder.add(soff, builder.mul(ir.Constant(_I64, v), gpr)), g) for v in range(nvecs)]
+                corr = [ir_splat(builder, builder.load(cgutils.gep(builder, cp, k)), _V16) for k in ks]
+                sums = _integer_sums(builder, codes, xs, use, corr)
                 for v in range(nvecs):
-                    k = builder.add(builder.add(soff, builder.mul(ir.Constant(_I64, v), gpr)), g)
-                    corr = ir_splat(builder, builder.load(cgutils.gep(builder, cp, k)), _V16)
-                    dv = ir_splat(builder, builder.load(cgutils.gep(builder, dp, k)), _VF)
+                    dv = ir_splat(builder, builder.load(cgutils.gep(builder, dp, ks[v])), _VF)
                     for b in range(2):
-                        f = builder.sitofp(builder.sub(sums[b][v], corr), _VF)
+                        f = builder.sitofp(sums[b][v], _VF)
                         a = accs[b][v]
                         builder.store(builder.call(fma, [f, dv, builder.load(a)]), a)
             for v in range(nvecs):
