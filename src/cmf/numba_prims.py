@@ -10,7 +10,7 @@ package has to reach into the other's private modules (tests/test_layering.py).
   numpy's ``astype(float32)`` on all 65536 patterns (tested).
 - :func:`expand_nibbles`: 32 weights of a nibble group times a scale, one vector pass.
 - :func:`chunk` (thread j's share of a range) and :func:`scratch` (reused per-thread buffers).
-- ``ir_pointers`` / ``ir_vec_load`` / ``ir_splat``: LLVM IR helpers for intrinsics.
+- ``ir_pointers`` / ``ir_vec_load`` / ``ir_splat`` / ``ir_prefetch``: LLVM IR helpers for intrinsics.
 """
 
 from __future__ import annotations
@@ -126,6 +126,18 @@ def ir_splat(builder, value, ty):  # noqa: ANN001, ANN201
     v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(_I32, 0))
     zeros = ir.Constant(ir.VectorType(_I32, ty.count), [0] * ty.count)
     return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), zeros)
+
+
+L1, L2 = 3, 2  # llvm.prefetch locality: into L1 (prefetcht0) or L2 (prefetcht1)
+
+
+def ir_prefetch(builder, ptr, locality: int = L2) -> None:  # noqa: ANN001
+    """A read prefetch of the cache line at ``ptr`` (any pointer; only a hint, never a fault)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
+                      ir.Constant(_I32, 1)])
 
 
 @intrinsic

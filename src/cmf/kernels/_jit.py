@@ -25,7 +25,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..numba_prims import HW_F16, bits_as_f32, chunk, f16_hw, f16_soft, f16_to_f32, scratch, target_has  # noqa: F401
+from ..numba_prims import (HW_F16, bits_as_f32, chunk, f16_hw, f16_soft, f16_to_f32, ir_prefetch, scratch,  # noqa: F401
+                           target_has)
 
 # reassoc lets LLVM vectorize float reductions; no nnan/ninf, so crafted inf/NaN weights give
 # inf/NaN results instead of undefined behaviour.
@@ -108,11 +109,7 @@ def prefetch_at(typingctx, a, off):  # noqa: ANN001
     locality). Only a hint: an address past the array is not an error, but callers stay inside."""
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        p8 = cgutils.gep(builder, builder.bitcast(data, ir.IntType(8).as_pointer()), args[1])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [p8, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])  # read, L2, data
+        ir_prefetch(builder, cgutils.gep(builder, builder.bitcast(data, ir.IntType(8).as_pointer()), args[1]))
         return context.get_dummy_value()
     return types.void(a, types.int64), codegen
 

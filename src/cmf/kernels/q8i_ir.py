@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import int_dot
-from ..numba_prims import ir_pointers, ir_splat, ir_vec_load
+from ..numba_prims import ir_pointers, ir_prefetch, ir_splat, ir_vec_load
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -90,18 +90,13 @@ def _make(nvecs: int, path: str | None = None):  # noqa: ANN202 - returns a numb
             use = path or int_dot.DOT_PATH
             pf = args[10]
             want_pf = builder.icmp_signed(">", pf, ir.Constant(_I64, 0))
-            i8p = ir.IntType(8).as_pointer()
-            prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
             with cgutils.for_range(builder, gpr) as loop:
                 g = loop.index
                 gb = builder.add(base, builder.mul(g, ir.Constant(_I64, GROUP_BYTES)))
                 with builder.if_then(want_pf, likely=False):
                     ahead = builder.add(gb, pf)
                     for line in range(GROUP_BYTES // 64):
-                        p = builder.bitcast(cgutils.gep(builder, pp, builder.add(ahead, ir.Constant(_I64, 64 * line))),
-                                            i8p)
-                        builder.call(prefetch, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                        ir_prefetch(builder, cgutils.gep(builder, pp, builder.add(ahead, ir.Constant(_I64, 64 * line))))
                 codes = [[ir_vec_load(builder, cgutils.gep(builder, pp, builder.add(
                     gb, ir.Constant(_I64, 128 * w + 64 * b))), _V16) for w in range(WORDS)] for b in range(2)]
                 xs = []

@@ -30,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...numba_prims import target_has
+from ...numba_prims import L1, ir_prefetch, ir_splat, target_has
 
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -61,15 +61,11 @@ def _floats_at(builder, base, index, ty):  # noqa: ANN001, ANN202
 def _prefetch_rows(builder, base, first, stop, stride):  # noqa: ANN001, ANN202
     """Prefetch (into L1) every cache line of rows [first, stop) at byte ``stride`` apart from
     ``base`` — the next block's rows while this block computes (rows are contiguous)."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0i8")
     start = builder.mul(first, stride)
     span = builder.sub(builder.mul(stop, stride), start)
     lines = builder.sdiv(builder.add(span, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
     with cgutils.for_range(builder, lines) as ln:
-        at = builder.gep(base, [builder.add(start, builder.mul(ln.index, ir.Constant(_I64, 64)))])
-        builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, L1, data
+        ir_prefetch(builder, builder.gep(base, [builder.add(start, builder.mul(ln.index, ir.Constant(_I64, 64)))]), L1)
 
 
 def _load_row(builder, ptr, is_f16: bool, lanes: int):  # noqa: ANN001, ANN202
@@ -87,17 +83,9 @@ def _fmuladd(builder, a, b, c):  # noqa: ANN001, ANN202
     caller alike (a ``contract`` flag on an fmul/fadd pair left the choice to each call site's
     optimisation, and two call sites of one body rounded differently)."""
     ty = a.type
-    name = f"llvm.fmuladd.v{ty.count}f32"
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name=name)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
+                                        f"llvm.fmuladd.v{ty.count}f32")
     return builder.call(fn, [a, b, c])
-
-
-def _splat(builder, value, ty):  # noqa: ANN001, ANN202
-    v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, ty.count),
-                                                                                  [0] * ty.count))
 
 
 def transpose_sum(builder, vecs: list):  # noqa: ANN001, ANN201
@@ -149,7 +137,7 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
             blocks = builder.sdiv(builder.add(n, ir.Constant(_I64, lanes - 1)), nl)
             accs = [cgutils.alloca_once(builder, vf) for _ in range(lanes)]
             top = cgutils.alloca_once(builder, vf)
-            sv = _splat(builder, scale, vf)
+            sv = ir_splat(builder, scale, vf)
             ninf = ir.Constant(vf, [float("-inf")] * lanes)
             kbase = _at(builder, kp, (lo, kst[0]))
             first = builder.select(builder.icmp_signed("<", nl, n), nl, n)
@@ -192,8 +180,8 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                 with cgutils.for_range(builder, blocks) as blk:
                     s0 = builder.mul(blk.index, nl)
                     r = builder.load(_floats_at(builder, prow, s0, vf), align=4)
-                    spots = builder.add(_splat(builder, s0, vi), lane_ids)
-                    live = builder.icmp_signed("<", spots, _splat(builder, n, vi))
+                    spots = builder.add(ir_splat(builder, s0, vi), lane_ids)
+                    live = builder.icmp_signed("<", spots, ir_splat(builder, n, vi))
                     r = builder.select(live, r, ninf)
                     cur = builder.load(top)
                     builder.store(builder.select(builder.fcmp_ordered(">", r, cur), r, cur), top)
@@ -263,7 +251,7 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
 
                         def position(s, acc):  # noqa: ANN001, ANN202 - acc[k] += p[j, s0 + s]·v[s0 + s, chunk k]
                             w = builder.load(_floats_at(builder, prow, builder.add(s0, s), _F32))
-                            wv = _splat(builder, w, vf)
+                            wv = ir_splat(builder, w, vf)
                             row = builder.gep(vrow0, [builder.add(builder.mul(s, vst[0]),
                                                                   builder.mul(c0, ir.Constant(_I64, esize)))])
                             for k, a in enumerate(acc):
