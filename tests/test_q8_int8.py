@@ -246,3 +246,97 @@ def test_prompt_blocks_group_qkv_and_gate_up(tmp_path) -> None:
         np.testing.assert_allclose(grouped, apart, rtol=0, atol=1e-5 * np.abs(apart).max())
     finally:
         model.close()
+
+
+def _quantize_rule(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 activations' rule as the kernels compute it: d = max|x|·f32(1/127) (NaN for a group
+    holding inf or NaN), 1/d = 127/max|x| (0 where d = 0), q = rint(x·(1/d)) ties to even (0 where
+    that product is NaN), xc = 128·Σ q."""
+    g = X.reshape(X.shape[0], -1, 32)
+    bits = g.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    top = bits.max(-1)
+    special = top >= 0x7F800000
+    topf = top.view(np.float32)
+    with np.errstate(all="ignore"):
+        d = np.where(special, np.float32(0), topf * np.float32(1 / 127)).astype(np.float32)
+        inv = np.where(d > 0, np.float32(127) / topf, np.float32(0)).astype(np.float32)
+        v = (g * inv[..., None]).astype(np.float32)
+    v = np.where(np.isnan(v), np.float32(0), v)
+    q = np.rint(v).astype(np.int32)
+    return q.astype(np.int8).reshape(X.shape), (128 * q.sum(-1)).astype(np.int32), np.where(special, np.float32(np.nan), d)
+
+
+def test_activation_quantizer_follows_its_rule_bit_for_bit() -> None:
+    """quantize_rows against the rule, over scales from 1e-30 to near-overflow, zero groups,
+    ±inf, NaN and exact ties (x·(1/d) = k + ½)."""
+    rng = np.random.default_rng(11)
+    T, gpr = 512, 9
+    X = (rng.standard_normal((T, gpr * 32)) * rng.choice([1e-30, 1e-3, 1.0, 7.0, 3e37], (T, 1))).astype(np.float32)
+    m = rng.random(X.shape)
+    X[m < 0.002] = np.inf
+    X[(m > 0.002) & (m < 0.004)] = -np.inf
+    X[(m > 0.004) & (m < 0.006)] = np.nan
+    X[(m > 0.006) & (m < 0.05)] = 0
+    X[rng.random(T) < 0.05] = 0
+    X[0, :32] = np.arange(32, dtype=np.float32) - 15.5  # halves: ties to even once scaled
+    X[0, 31] = 127.0
+    xq, xc, d = q8i.buffers(T, gpr)
+    q8i.quantize(X, xq, d, xc)
+    wq, wc, wd = _quantize_rule(X)
+    assert np.array_equal(xq, wq) and np.array_equal(xc, wc)
+    assert np.array_equal(d.view(np.uint32), wd.view(np.uint32))
+
+
+_ROW_RUNNERS: dict = {}
+
+
+def _rows_runner(path: str):  # noqa: ANN202 - a compiled function
+    if path not in _ROW_RUNNERS:
+        k = q8i_ir.rows_for(path)
+
+        @numba.njit
+        def run(planes, nblk, xv, xc, d, gpr, s, Y, pf):  # pragma: no cover - compiled
+            k(planes, 0, nblk, xv, gpr * 8, xc, d, gpr, Y.shape[0], s, Y, pf)
+
+        _ROW_RUNNERS[path] = run
+    return _ROW_RUNNERS[path]
+
+
+@pytest.mark.parametrize("path", [p for p in int_dot.PATHS if int_dot.path_supported(p)])
+def test_whole_block_loop_equals_the_per_pass_kernels(path: str) -> None:
+    """q8i_rows (every whole block and vector in one compiled loop, the scale and store included,
+    prefetches spread over the passes) gives the per-pass kernels' bits for 1..17 vectors, and
+    Int8Group products equal the per-block path (``listed_blocks``) with partial last blocks and
+    an output whose rows are not contiguous (the per-block fallback)."""
+    rng = np.random.default_rng(12)
+    gpr, nblk = 3, 3
+    q8 = rng.integers(-128, 128, (32 * nblk, gpr * 32)).astype(np.int8)
+    s = (rng.random(32 * nblk) + 0.5).astype(np.float32)
+    planes = q8i.pack(q8, 1)
+    for T in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        X = rng.standard_normal((T, gpr * 32)).astype(np.float32)
+        xq, xc, d = q8i.buffers(T, gpr)
+        q8i.quantize(X, xq, d, xc)
+        want = np.empty((T, 32 * nblk), np.float32)
+        q8i.listed_blocks(planes, s, X, xq, xq.view(np.int32), xc, d, np.arange(nblk), want)
+        for pf in (0, gpr * q8i.GROUP_BYTES):
+            got = np.full((T, 32 * nblk), np.nan, np.float32)
+            _rows_runner(path)(planes, nblk, xq.view(np.int32).reshape(-1), xc.reshape(-1), d.reshape(-1), gpr, s, got,
+                               pf)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (path, T, pf)
+    for rows, cols, T in ((100, 64, 5), (64, 96, 1), (33, 32, 3), (96, 64, 13)):
+        w8 = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
+        sc = (rng.random(rows) + 0.5).astype(np.float32)
+        pk = q8i.pack(w8, 2)
+        op = q8i.Int8Group([(pk, sc, rows)], cols)
+        X = rng.standard_normal((T, cols)).astype(np.float32)
+        nb = -(-rows // 32)
+        xq, xc, d = q8i.buffers(T, op.gpr)
+        ref = np.empty((T, nb * 32), np.float32)
+        q8i.listed_blocks(pk, sc, q8i.whole_groups(X, op.gpr), xq, xq.view(np.int32), xc, d, np.arange(nb), ref)
+        for nt in (1, 2):
+            Y = op.run(X, np.empty((T, rows), np.float32), nt)
+            assert np.array_equal(Y, ref[:, :rows]), (rows, cols, T, nt)
+        wide = np.zeros((T, 2 * rows), np.float32)
+        op.run(X, wide[:, ::2], 1)  # rows of Y with a stride: the per-block path
+        assert np.array_equal(wide[:, ::2], ref[:, :rows])

@@ -376,4 +376,3 @@ quantize_group_n1 = _make_quantize_group(2, 1)  # nibble layout, one piece (int8
 quantize_group_n3 = _make_quantize_group(2, 3)  # nibble layout, three pieces (exact mode)
 quantize_group_c1 = _make_quantize_group(4, 1)  # crumb layout (q2tp)
 quantize_group_c3 = _make_quantize_group(4, 3)
-quantize_group_b1 = _make_quantize_group(1, 1)  # bytes in order, one piece (q8 with int8 activations)

@@ -20,12 +20,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._ir import quantize_group_b1
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
-from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4
+from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
 from .vmath import gated_rows
-from .xprep import group_scale
 
 GROUP = 32
 # Vectors from which a block's first pass prefetches the next block into L2. One vector streams
@@ -73,25 +71,12 @@ def pack(q: np.ndarray, nt: int) -> np.ndarray:
 
 
 @numba.njit(**SERIAL)
-def quantize_vector(X, xq, d, xc, t):  # pragma: no cover - compiled
-    """Row t of X [T, 32·gpr] float32 → int8 activations ``xq[t]``, scales d[t] and corrections
-    xc[t] = 128·Σ q per group of 32: ``xprep.group_scale``'s d, q = rint(x·(1/d)) (ties to even);
-    a group holding inf or NaN gets d = NaN."""
-    gpr = d.shape[1]
-    bits = X.view(np.uint32)
-    sums = np.empty(1, np.int32)
-    for g in range(gpr):
-        dd, inv, special = group_scale(bits[t, g * GROUP:(g + 1) * GROUP])
-        quantize_group_b1(X[t], g * GROUP, inv, xq[t], g * GROUP, sums)
-        d[t, g] = np.float32(np.nan) if special else dd
-        xc[t, g] = np.int32(128) * sums[0]
-
-
-@numba.njit(**SERIAL)
 def quantize(X, xq, d, xc):  # pragma: no cover - compiled
-    """:func:`quantize_vector` of every row of X."""
-    for t in range(X.shape[0]):
-        quantize_vector(X, xq, d, xc, t)
+    """Every row of X [T, 32·gpr] float32 → int8 activations ``xq``, scales d and corrections
+    xc = 128·Σ q per group of 32 (:func:`~.q8i_ir.quantize_rows`: d = max|x|/127 as
+    ``xprep.group_scale`` computes it, q = rint(x·(1/d)) ties to even; a group holding inf or NaN
+    gets d = NaN)."""
+    quantize_rows(X, 0, X.shape[0], xq, d, xc)
 
 
 @numba.njit(**SERIAL_ORDERED)
@@ -99,7 +84,12 @@ def block_rows(planes, s, xv, xc, d, Y, b0, b1, acc):  # pragma: no cover - comp
     """Y[t, r] = s[r]·Σ_g d[t, g]·I_g(r, t) for the rows of blocks [b0, b1) (those below
     Y.shape[1]) and every t; up to four vectors per pass over a block (``acc``: 128 floats)."""
     n = Y.shape[1]
-    for blk in range(b0, b1):
+    T, gpr = d.shape
+    whole = max(b0, min(b1, n // ROWS)) if Y.strides[1] == 4 else b0  # blocks with all 32 rows: one compiled loop
+    if whole > b0:
+        pf = gpr * GROUP_BYTES if T >= PREFETCH_MIN_VECTORS else 0
+        q8i_rows(planes, b0, whole, xv.reshape(-1), gpr * 8, xc.reshape(-1), d.reshape(-1), gpr, T, s, Y, pf)
+    for blk in range(whole, b1):
         r0 = blk * ROWS
         m = min(ROWS, n - r0)
         if m == ROWS:
@@ -176,7 +166,7 @@ def group_par(planes, ss, X, xq, xv, xc, d, Y, offs, sizes, nt, act, width):  # 
     blocks per thread; X quantized once into xq (xv: the same bytes as int32 words) / xc / d,
     the vectors split across the threads (a 16 × 1536 block took 12 µs on one)."""
     for t in prange(X.shape[0]):
-        quantize_vector(X, xq, d, xc, t)
+        quantize_rows(X, t, t + 1, xq, d, xc)
     for j in prange(nt):
         _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, nt, np.int64(j), act, width)
 
