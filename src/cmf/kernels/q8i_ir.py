@@ -163,7 +163,7 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
             zero = c64(0)
 
             # the next block's prefetches spread over this block's passes: each pass a share of every
-            # group's 16 lines (all on the first pass left a 16-vector product ~x% slower from L3)
+            # group's 16 lines (all on the first pass: a 16-vector step's products ~20% slower from L3)
             npass = builder.sdiv(builder.add(nvec, c64(MAX_VECS - 1)), c64(MAX_VECS))
             share = builder.sdiv(builder.add(c64(GROUP_BYTES // 64 - 1), npass), npass)
 
