@@ -58,14 +58,24 @@ def _floats_at(builder, base, index, ty):  # noqa: ANN001, ANN202
     return builder.bitcast(builder.gep(base, [builder.mul(index, ir.Constant(_I64, 4))]), ty.as_pointer())
 
 
-def _prefetch_rows(builder, base, first, stop, stride):  # noqa: ANN001, ANN202
+def _prefetch_rows(builder, base, first, stop, stride, part=None):  # noqa: ANN001, ANN202
     """Prefetch (into L1) every cache line of rows [first, stop) at byte ``stride`` apart from
-    ``base`` — the next block's rows while this block computes (rows are contiguous)."""
+    ``base`` — the next block's rows while this block computes (rows are contiguous). ``part``
+    (k, of): only the k-th of ``of`` equal shares of those lines, so that a block's heads ask
+    for the next block a share each rather than all at once (a burst of ~100 requests at the
+    block's start left most of a 16-sequence step's cache reads to wait on L3)."""
+    c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
     start = builder.mul(first, stride)
     span = builder.sub(builder.mul(stop, stride), start)
-    lines = builder.sdiv(builder.add(span, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
-    with cgutils.for_range(builder, lines) as ln:
-        ir_prefetch(builder, builder.gep(base, [builder.add(start, builder.mul(ln.index, ir.Constant(_I64, 64)))]), L1)
+    lines = builder.sdiv(builder.add(span, c64(63)), c64(64))
+    lo, hi = c64(0), lines
+    if part is not None:
+        share = builder.sdiv(builder.add(lines, builder.sub(part[1], c64(1))), part[1])
+        lo = builder.mul(part[0], share)
+        hi = builder.add(lo, share)
+        hi = builder.select(builder.icmp_signed("<", hi, lines), hi, lines)
+    with cgutils.for_range_slice(builder, lo, hi, c64(1)) as (ln, _):
+        ir_prefetch(builder, builder.gep(base, [builder.add(start, builder.mul(ln, c64(64)))]), L1)
 
 
 def _load_row(builder, ptr, is_f16: bool, lanes: int):  # noqa: ANN001, ANN202
@@ -147,8 +157,6 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                 nxt = builder.add(s0, nl)
                 stop = builder.add(nxt, nl)
                 stop = builder.select(builder.icmp_signed("<", stop, n), stop, n)
-                with builder.if_then(builder.icmp_signed("<", nxt, stop)):
-                    _prefetch_rows(builder, kbase, nxt, stop, kst[0])
                 offs = []
                 for t in range(lanes):  # spare lanes of the last block re-read its last row
                     s = builder.add(s0, ir.Constant(_I64, t))
@@ -156,6 +164,8 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                     offs.append(builder.mul(builder.add(lo, s), kst[0]))
                 with cgutils.for_range(builder, qsh[0]) as hj:
                     j = hj.index
+                    with builder.if_then(builder.icmp_signed("<", nxt, stop)):
+                        _prefetch_rows(builder, kbase, nxt, stop, kst[0], (j, qsh[0]))
                     qrow = _at(builder, qp, (j, qst[0]))
                     krow = _at(builder, kp, (builder.sdiv(j, group), kst[1]))
                     rows = [builder.gep(krow, [o]) for o in offs]
@@ -239,10 +249,10 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                 s1 = builder.select(builder.icmp_signed("<", builder.add(s0, nb), n), builder.add(s0, nb), n)
                 m = builder.sub(s1, s0)
                 s2 = builder.select(builder.icmp_signed("<", builder.add(s1, nb), n), builder.add(s1, nb), n)
-                with builder.if_then(builder.icmp_signed("<", s1, s2)):
-                    _prefetch_rows(builder, vbase, s1, s2, vst[0])
                 with cgutils.for_range(builder, osh[0]) as hj:
                     j = hj.index
+                    with builder.if_then(builder.icmp_signed("<", s1, s2)):
+                        _prefetch_rows(builder, vbase, s1, s2, vst[0], (j, osh[0]))
                     prow = _at(builder, pp, (j, pst[0]))
                     orow = _at(builder, op, (j, ost[0]))
                     vrow0 = _at(builder, vp, (builder.add(lo, s0), vst[0]), (builder.sdiv(j, group), vst[1]))
