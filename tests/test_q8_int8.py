@@ -263,7 +263,8 @@ def _quantize_rule(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         v = (g * inv[..., None]).astype(np.float32)
     v = np.where(np.isnan(v), np.float32(0), v)
     q = np.rint(v).astype(np.int32)
-    return q.astype(np.int8).reshape(X.shape), (128 * q.sum(-1)).astype(np.int32), np.where(special, np.float32(np.nan), d)
+    d = np.where(special, np.float32(np.nan), d)
+    return q.astype(np.int8).reshape(X.shape), (128 * q.sum(-1)).astype(np.int32), d
 
 
 def test_activation_quantizer_follows_its_rule_bit_for_bit() -> None:

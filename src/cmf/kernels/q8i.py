@@ -82,7 +82,9 @@ def quantize(X, xq, d, xc):  # pragma: no cover - compiled
 @numba.njit(**SERIAL_ORDERED)
 def block_rows(planes, s, xv, xc, d, Y, b0, b1, acc):  # pragma: no cover - compiled
     """Y[t, r] = s[r]·Σ_g d[t, g]·I_g(r, t) for the rows of blocks [b0, b1) (those below
-    Y.shape[1]) and every t; up to four vectors per pass over a block (``acc``: 128 floats)."""
+    Y.shape[1]) and every t; up to four vectors per pass over a block. Whole blocks run in one
+    compiled loop (:data:`~.q8i_ir.q8i_rows`) when Y's rows are contiguous; a partial last block
+    (or a strided Y) block by block through ``acc`` (128 floats)."""
     n = Y.shape[1]
     T, gpr = d.shape
     whole = max(b0, min(b1, n // ROWS)) if Y.strides[1] == 4 else b0  # blocks with all 32 rows: one compiled loop

@@ -33,8 +33,8 @@ from ..numba_prims import ir_pointers, ir_prefetch, ir_splat, ir_vec_load
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 _V16 = ir.VectorType(_I32, 16)
-_RECIP_127 = float(np.float32(1.0 / 127))  # the float32 reciprocal the helper's arcp division multiplies by
 _VF = ir.VectorType(_F32, 16)
+_RECIP_127 = float(np.float32(1.0 / 127))  # the float32 reciprocal the helper's arcp division multiplies by
 ROWS = 32  # rows per packed block
 WORDS = 8  # 4-byte words per row and group
 GROUP_BYTES = ROWS * WORDS * 4  # one block's bytes per group (1 KB)
@@ -176,7 +176,8 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
                                    builder.mul(t0, gpr), gpr, pf, nvecs, use, (l0, l1))
                 for b in range(2):
                     col = builder.add(builder.mul(blk, c64(ROWS)), c64(16 * b))
-                    scale = ir_vec_load(builder, builder.bitcast(cgutils.gep(builder, sp, col), ir.IntType(8).as_pointer()), _VF)
+                    at_s = builder.bitcast(cgutils.gep(builder, sp, col), ir.IntType(8).as_pointer())
+                    scale = ir_vec_load(builder, at_s, _VF)
                     for v in range(nvecs):
                         row = builder.add(t0, c64(v))
                         at = builder.gep(ybase, [builder.add(builder.mul(row, ystride), builder.mul(col, c64(4)))])
@@ -212,7 +213,8 @@ def quantize_rows(typingctx, X, t0, t1, xq, d, xc):  # noqa: ANN001
 
     def codegen(context, builder, signature, args):
         xp, qp, dp, cp = ir_pointers(context, builder, signature, args, 0, 3, 4, 5)
-        gpr = cgutils.unpack_tuple(builder, context.make_array(signature.args[4])(context, builder, args[4]).shape, 2)[1]
+        dshape = context.make_array(signature.args[4])(context, builder, args[4]).shape
+        gpr = cgutils.unpack_tuple(builder, dshape, 2)[1]
         c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
         v32, i32v, i8v = ir.VectorType(_F32, 32), ir.VectorType(_I32, 32), ir.VectorType(ir.IntType(8), 32)
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]), "llvm.rint.v32f32")
@@ -239,8 +241,10 @@ def quantize_rows(typingctx, X, t0, t1, xq, d, xc):  # noqa: ANN001
                 qi = builder.fptosi(builder.call(rint, [v]), i32v)
                 builder.store(builder.trunc(qi, i8v), builder.bitcast(cgutils.gep(builder, qp, at), i8v.as_pointer()),
                               align=1)
-                builder.store(builder.mul(builder.call(radd, [qi]), ir.Constant(_I32, 128)), cgutils.gep(builder, cp, k))
-                builder.store(builder.select(special, ir.Constant(_F32, float("nan")), dd), cgutils.gep(builder, dp, k))
+                corr = builder.mul(builder.call(radd, [qi]), ir.Constant(_I32, 128))
+                builder.store(corr, cgutils.gep(builder, cp, k))
+                nan = ir.Constant(_F32, float("nan"))
+                builder.store(builder.select(special, nan, dd), cgutils.gep(builder, dp, k))
         return context.get_dummy_value()
 
     return sig, codegen
