@@ -257,6 +257,8 @@ def test_rms_norm_kernel_is_numpy_to_the_bit(n: int) -> None:
     one = np.empty((1, n), np.float32)
     decode.rms_norm_into(x[3:4], w, 1e-6, one)
     assert np.array_equal(one, want[3:4])
+    par = np.empty_like(x)  # a batch's rows over the threads (the batched step's norms)
+    assert np.array_equal(decode.norm_into(x, w, 1e-6, par), want) and x.shape[0] >= decode.PARALLEL_NORM_ROWS
     heads = x.reshape(-1, n)  # per-head norms run in place (qk_norm_rope)
     decode.rms_norm_into(heads, w, 1e-6, heads)
     assert np.array_equal(heads, want)

@@ -123,11 +123,24 @@ def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
                 out[t, i] = x[t, i] * inv
 
 
+@numba.njit(parallel=True, **_EXACT)
+def rms_norm_rows_par(x, w, eps, out):  # pragma: no cover - compiled
+    """:func:`rms_norm_into` with the rows split over the threads (each row the same arithmetic)."""
+    for t in numba.prange(x.shape[0]):
+        rms_norm_into(x[t:t + 1], w, eps, out[t:t + 1])
+
+
+PARALLEL_NORM_ROWS = 8  # rows from which a norm splits them over the threads (16 × 576: 13 → ~8 µs)
+
+
 def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:
     """RMSNorm of x [T, n] into ``out`` with :func:`rms_norm_into` (``w`` None: the layer has no
-    such norm, a copy); the one-token step's and the batched step's norms."""
+    such norm, a copy); the one-token step's and the batched step's norms (a batch's rows over
+    the threads from :data:`PARALLEL_NORM_ROWS` rows)."""
     if w is None:
         out[...] = x
+    elif x.shape[0] >= PARALLEL_NORM_ROWS:
+        rms_norm_rows_par(x, w, eps, out)
     else:
         rms_norm_into(x, w, eps, out)
     return out
