@@ -379,6 +379,10 @@ def main() -> None:
                          "times with both servers up (median ratio of the rounds)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
+    if args.alternate and not args.vllm:
+        ap.error("--alternate compares with vLLM: it needs --vllm PYTHON")
+    if args.alternate < 0:
+        ap.error("--alternate takes a number of rounds (≥ 1)")
     global UNIQUE_PROMPTS
     UNIQUE_PROMPTS = not args.repeat_prompts
     texts = prompts(Path(args.models))
