@@ -212,13 +212,17 @@ def run_level(host: str, port: int, clients: int, per_client: int, texts: list[s
             "engine_tps": statistics.median(r["engine_tps"] for r in results) if results else 0.0}
 
 
-def run_levels(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[dict]:
-    """Every level ``args.runs`` times; per level the run with the median aggregate rate."""
-    # Warm-up, untimed: one request, then a batch of 8 streams — a server's first batched steps
-    # compile its batched kernels when their cache is cold (a fresh checkout), which a timed level
-    # would otherwise count (2026-12-05: 72 t/s at 4 streams on the first run, 220 on the next).
+def warm_up(host: str, port: int, texts: list[str]) -> None:
+    """Untimed: one request, then a batch of 8 streams — a server's first batched steps compile its
+    batched kernels when their cache is cold (a fresh checkout), which a timed level would otherwise
+    count (2026-12-05: 72 t/s at 4 streams on the first run, 220 on the next)."""
     one_request(host, port, [{"role": "user", "content": texts[0]}], 8)
     run_level(host, port, 8, 1, texts, 16)
+
+
+def run_levels(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[dict]:
+    """Every level ``args.runs`` times; per level the run with the median aggregate rate."""
+    warm_up(host, port, texts)
     out = []
     for c in levels:
         runs = [run_level(host, port, c, args.requests, texts, args.max_tokens) for _ in range(args.runs)]
@@ -233,9 +237,8 @@ def alternate(cmf_addr: tuple[str, int], vllm_addr: tuple[str, int], clients: in
     """The ``clients`` level on both servers in turn, ``rounds`` times, the order flipped every
     round, a pause before each level (the other server's kernel threads spin down): a host whose
     speed drifts by minutes then moves both figures of a round alike. Returns (cmf, vLLM) t/s."""
-    for addr in (cmf_addr, vllm_addr):  # warm-up, untimed (run_levels' reasons)
-        one_request(*addr, [{"role": "user", "content": texts[0]}], 8)
-        run_level(*addr, 8, 1, texts, 16)
+    for addr in (cmf_addr, vllm_addr):
+        warm_up(*addr, texts)
     out = []
     for k in range(rounds):
         got = {}

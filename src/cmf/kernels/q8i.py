@@ -26,7 +26,7 @@ from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_blo
 from .vmath import gated_rows
 
 GROUP = 32
-# Vectors from which a block's first pass prefetches the next block into L2. One vector streams
+# Vectors from which a block's passes prefetch the next block into L2. One vector streams
 # the weights at the hardware prefetcher's pace and the explicit prefetches only cost it
 # (SmolLM2-135M q8, one-token products from memory: 3.67 → 3.33 ms a token without them, below the
 # exact kernels' 3.45); 16 vectors were ~35% slower from memory without them.

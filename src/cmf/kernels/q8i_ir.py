@@ -71,18 +71,14 @@ def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list
     return out
 
 
-def _fma(builder):  # noqa: ANN001, ANN202
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
-
-
-def _emit_block(builder, pp, base, xp, xoff, vstride, cp, dp, soff, gpr, pf, nvecs: int, path: str,  # noqa: ANN001
-                lines=None) -> list:  # noqa: ANN001
+def _emit_block(builder, pp, base, xp, xoff, vstride, cp, dp, soff, gpr, pf, lines, nvecs: int,  # noqa: ANN001
+                path: str) -> list:
     """One block's pass over every group for ``nvecs`` vectors; returns accs[b][v] (<16 x float>:
     rows 16b .. 16b + 15, vector v) = Σ_g fma(float(I_g), d_g, ·) from 0.0, groups in order.
-    ``pf`` > 0: prefetch each group's kilobyte ``pf`` bytes ahead — all 16 lines, or the lines
-    [l0, l1) of ``lines`` (runtime values)."""
+    ``pf`` > 0: prefetch lines [l0, l1) of ``lines`` (of the 16) of each group's kilobyte ``pf``
+    bytes ahead."""
     c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
-    fma = _fma(builder)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
     accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * 16)) for _ in range(nvecs)] for _ in range(2)]
     want_pf = builder.icmp_signed(">", pf, c64(0))
     with cgutils.for_range(builder, gpr) as loop:
@@ -90,12 +86,8 @@ def _emit_block(builder, pp, base, xp, xoff, vstride, cp, dp, soff, gpr, pf, nve
         gb = builder.add(base, builder.mul(g, c64(GROUP_BYTES)))
         with builder.if_then(want_pf, likely=False):
             ahead = builder.add(gb, pf)
-            if lines is None:
-                for line in range(GROUP_BYTES // 64):
-                    ir_prefetch(builder, cgutils.gep(builder, pp, builder.add(ahead, c64(64 * line))))
-            else:
-                with cgutils.for_range_slice(builder, lines[0], lines[1], c64(1)) as (line, _):
-                    ir_prefetch(builder, cgutils.gep(builder, pp, builder.add(ahead, builder.mul(line, c64(64)))))
+            with cgutils.for_range_slice(builder, lines[0], lines[1], c64(1)) as (line, _):
+                ir_prefetch(builder, cgutils.gep(builder, pp, builder.add(ahead, builder.mul(line, c64(64)))))
         codes = [[ir_vec_load(builder, cgutils.gep(builder, pp, builder.add(gb, c64(128 * w + 64 * b))), _V16)
                   for w in range(WORDS)] for b in range(2)]
         xs = []
@@ -127,8 +119,9 @@ def _make(nvecs: int, path: str | None = None):  # noqa: ANN202 - returns a numb
 
         def codegen(context, builder, signature, args):
             pp, xp, cp, dp, op = ir_pointers(context, builder, signature, args, 0, 2, 5, 6, 9)
-            accs = _emit_block(builder, pp, args[1], xp, args[3], args[4], cp, dp, args[7], args[8], args[10], nvecs,
-                               path or int_dot.DOT_PATH)
+            every = (ir.Constant(_I64, 0), ir.Constant(_I64, GROUP_BYTES // 64))  # all of a group's lines
+            accs = _emit_block(builder, pp, args[1], xp, args[3], args[4], cp, dp, args[7], args[8], args[10], every,
+                               nvecs, path or int_dot.DOT_PATH)
             for v in range(nvecs):
                 for b in range(2):
                     dst = cgutils.gep(builder, op, ir.Constant(_I64, ROWS * v + 16 * b))
@@ -147,8 +140,8 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
         whole blocks blk in [b0, b1) and vectors t < ``nvec``: four vectors per pass over a block
         (then three, two or one), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
         and the store into Y's rows (last axis contiguous) in the same compiled loop — the numba loop
-        around the per-pass kernels cost a fifth of a 16-vector product. ``pf``: prefetch the next
-        block on each block's first pass (when > 0)."""
+        around the per-pass kernels cost a fifth of a 16-vector product. ``pf`` > 0: prefetch the
+        next block (``pf`` bytes ahead), a share of it on each of the block's passes."""
         sig = types.void(planes, types.int64, types.int64, xv, types.int64, xc, d, types.int64, types.int64, s, Y,
                          types.int64)
 
@@ -173,7 +166,7 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
                 l1 = builder.add(l0, share)
                 l1 = builder.select(builder.icmp_signed(">", l1, c64(GROUP_BYTES // 64)), c64(GROUP_BYTES // 64), l1)
                 accs = _emit_block(builder, pp, base, xp, builder.mul(t0, vstride), vstride, cp, dp,
-                                   builder.mul(t0, gpr), gpr, pf, nvecs, use, (l0, l1))
+                                   builder.mul(t0, gpr), gpr, pf, (l0, l1), nvecs, use)
                 for b in range(2):
                     col = builder.add(builder.mul(blk, c64(ROWS)), c64(16 * b))
                     at_s = builder.bitcast(cgutils.gep(builder, sp, col), ir.IntType(8).as_pointer())
