@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cmf.runtime.ops.attend_ir import LANES, head_dots, weigh_rows1
+from cmf.runtime.ops.attend_ir import LANES, SCRATCH_DIM, head_dots, weigh_rows1
 from cmf.runtime.ops.decode import attend_one, attend_one_par, padded
 
 
@@ -47,6 +47,23 @@ def test_attend_one_matches_the_reference_for_every_tail(dtype: str, H: int, KV:
         out = np.full((H, D), np.nan, np.float32)
         attend_one(q, keys, vals, n - 1, 0, D ** -0.5, 0, 0.0, out)
         np.testing.assert_allclose(out, _reference(q, keys, vals, n - 1, 0, D ** -0.5), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("H,KV,D", [(9, 3, 64), (16, 2, 128), (4, 1, SCRATCH_DIM), (4, 2, 2 * SCRATCH_DIM),
+                                     (8, 8, 64), (6, 3, LANES)])
+def test_an_f16_cache_gives_the_bits_of_its_float32_values(H: int, KV: int, D: int) -> None:
+    """f16 rows are widened once per block for a group of query heads (when the row fits the
+    stack buffer and the group has more than one head) or by each head itself: either way the
+    output equals, bit for bit, attention over a float32 cache holding the same (exact) values."""
+    rng = np.random.default_rng(H * D + KV)
+    for n in (1, LANES - 1, LANES + 1, 33, 70):
+        q, keys, vals = _case(rng, n, H, KV, D, "f16")
+        wide = [a.view(np.float16).astype(np.float32) for a in (keys, vals)]
+        got, want = np.empty((H, D), np.float32), np.empty((H, D), np.float32)
+        for window, k0 in ((0, 0), (20, 3)):
+            attend_one(q, keys, vals, n - 1 + k0, k0, D ** -0.5, window, 0.0, got)
+            attend_one(q, wide[0], wide[1], n - 1 + k0, k0, D ** -0.5, window, 0.0, want)
+            assert np.array_equal(got, want), (H, KV, D, n, window)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

@@ -259,6 +259,10 @@ def test_rms_norm_kernel_is_numpy_to_the_bit(n: int) -> None:
     assert np.array_equal(one, want[3:4])
     par = np.empty_like(x)  # a batch's rows over the threads (the batched step's norms)
     assert np.array_equal(decode.norm_into(x, w, 1e-6, par), want) and x.shape[0] >= decode.PARALLEL_NORM_ROWS
+    wide = np.repeat(x, 2, axis=1)[:, ::2]  # rows that are not contiguous: the scalar leaf
+    strided = np.empty_like(x)
+    decode.rms_norm_into(wide, w, 1e-6, strided)
+    assert not wide.flags.c_contiguous and np.array_equal(strided, want)
     heads = x.reshape(-1, n)  # per-head norms run in place (qk_norm_rope)
     decode.rms_norm_into(heads, w, 1e-6, heads)
     assert np.array_equal(heads, want)

@@ -108,6 +108,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
 
     def _make_block(self, lp, weights: Weights | None = None) -> Block:
         """The executable layer of LayerPlan ``lp`` over ``weights`` (default: the current ones)."""
+        self._new_blocks = True  # the next forward gives back what packing its products maps (memory.py)
         return Block(lp, weights or self.weights, self.plan.gemma_norm, self.plan.eps)
 
     @property

@@ -35,7 +35,10 @@ from ...numba_prims import L1, ir_prefetch, ir_splat, target_has
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 LANES = 16 if target_has("avx512f") else 8
-WEIGH_CHUNKS = (4, 2, 1)  # weigh_rows variants: output chunks of LANES floats kept in registers
+WEIGH_CHUNKS = (4, 2, 1)
+# f16 caches: the widest key/value row (floats) a kv head's rows are widened once per block for,
+# in a stack buffer the group's query heads then read (wider rows: each head widens its own)
+SCRATCH_DIM = 256  # weigh_rows variants: output chunks of LANES floats kept in registers
 
 
 def _array(context, builder, ty, val):  # noqa: ANN001, ANN202
@@ -51,6 +54,12 @@ def _at(builder, base, *terms):  # noqa: ANN001, ANN202
     for i, s in terms:
         off = builder.add(off, builder.mul(i, s))
     return builder.gep(base, [off])
+
+
+def _scratch(builder, vf, floats: int):  # noqa: ANN001, ANN202
+    """A byte pointer to ``floats`` float32 of stack space (vector-aligned, in the entry block)."""
+    space = cgutils.alloca_once(builder, vf, size=ir.Constant(_I64, floats // vf.count))
+    return builder.bitcast(space, ir.IntType(8).as_pointer())
 
 
 def _floats_at(builder, base, index, ty):  # noqa: ANN001, ANN202
@@ -152,6 +161,14 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
             kbase = _at(builder, kp, (lo, kst[0]))
             first = builder.select(builder.icmp_signed("<", nl, n), nl, n)
             _prefetch_rows(builder, kbase, ir.Constant(_I64, 0), first, kst[0])  # block 0: its lines at once
+            heads, kvh = qsh[0], builder.sdiv(qsh[0], group)
+            # f16 keys of a kv head converted once per block into an L1 buffer, read there by the
+            # group's query heads (a row per lane, SCRATCH_DIM floats apart): the exact float32
+            # values the direct loads widen, so the same sums
+            staged = is_f16
+            buf = _scratch(builder, vf, lanes * SCRATCH_DIM) if staged else None
+            fits = builder.and_(builder.icmp_signed("<=", qsh[1], ir.Constant(_I64, SCRATCH_DIM)),
+                                builder.icmp_signed(">", group, ir.Constant(_I64, 1)))  # a group shares the rows
             with cgutils.for_range(builder, blocks) as blk:
                 s0 = builder.mul(blk.index, nl)
                 nxt = builder.add(s0, nl)
@@ -162,25 +179,50 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                     s = builder.add(s0, ir.Constant(_I64, t))
                     s = builder.select(builder.icmp_signed("<", s, n), s, last)
                     offs.append(builder.mul(builder.add(lo, s), kst[0]))
-                with cgutils.for_range(builder, qsh[0]) as hj:
-                    j = hj.index
+
+                def one_head(j, key):  # noqa: ANN001, ANN202 - p[j, block] from key(t, c): lane t's chunk c
                     with builder.if_then(builder.icmp_signed("<", nxt, stop)):
-                        _prefetch_rows(builder, kbase, nxt, stop, kst[0], (j, qsh[0]))
+                        _prefetch_rows(builder, kbase, nxt, stop, kst[0], (j, heads))
                     qrow = _at(builder, qp, (j, qst[0]))
-                    krow = _at(builder, kp, (builder.sdiv(j, group), kst[1]))
-                    rows = [builder.gep(krow, [o]) for o in offs]
                     for a in accs:
                         builder.store(ir.Constant(vf, [0.0] * lanes), a)
                     with cgutils.for_range(builder, chunks) as ch:
                         c = ch.index
                         qv = builder.load(_floats_at(builder, qrow, builder.mul(c, nl), vf), align=4)
-                        koff = builder.mul(c, builder.mul(esize, nl))
                         for t in range(lanes):
-                            kv = _load_row(builder, builder.gep(rows[t], [koff]), is_f16, lanes)
-                            builder.store(_fmuladd(builder, qv, kv, builder.load(accs[t])), accs[t])
+                            builder.store(_fmuladd(builder, qv, key(t, c), builder.load(accs[t])), accs[t])
                     r = builder.fmul(transpose_sum(builder, [builder.load(a) for a in accs]), sv)
                     prow = _at(builder, pp, (j, pst[0]))
                     builder.store(r, _floats_at(builder, prow, s0, vf), align=4)
+
+                def direct():  # noqa: ANN202 - every head loads (and widens) its keys itself
+                    with cgutils.for_range(builder, heads) as hj:
+                        krow = _at(builder, kp, (builder.sdiv(hj.index, group), kst[1]))
+                        rows = [builder.gep(krow, [o]) for o in offs]
+                        one_head(hj.index, lambda t, c: _load_row(
+                            builder, builder.gep(rows[t], [builder.mul(c, builder.mul(esize, nl))]), is_f16, lanes))
+
+                if not staged:
+                    direct()
+                else:
+                    with builder.if_else(fits) as (then, otherwise):
+                        with then:
+                            with cgutils.for_range(builder, kvh) as hh:
+                                krow = _at(builder, kp, (hh.index, kst[1]))
+                                for t in range(lanes):
+                                    row = builder.gep(krow, [offs[t]])
+                                    with cgutils.for_range(builder, chunks) as ch:
+                                        v = _load_row(builder, builder.gep(row, [builder.mul(ch.index, builder.mul(esize, nl))]),
+                                                      True, lanes)
+                                        dst = _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM),
+                                                                                    builder.mul(ch.index, nl)), vf)
+                                        builder.store(v, dst, align=4)
+                                with cgutils.for_range(builder, group) as gg:
+                                    one_head(builder.add(builder.mul(hh.index, group), gg.index), lambda t, c: builder.load(
+                                        _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM),
+                                                                             builder.mul(c, nl)), vf), align=4))
+                        with otherwise:
+                            direct()
             # the maxima: one vector pass over each row, the last block's spare lanes left out
             lane_ids = ir.Constant(vi, list(range(lanes)))
             with cgutils.for_range(builder, qsh[0]) as hj:
@@ -244,29 +286,31 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
             vbase = _at(builder, vp, (lo, vst[0]))
             nb = ir.Constant(_I64, WEIGH_BLOCK)
             blocks = builder.sdiv(builder.add(n, ir.Constant(_I64, WEIGH_BLOCK - 1)), nb)
+            heads, dv = osh[0], osh[1]
+            kvh = builder.sdiv(heads, group)
+            staged = is_f16  # as head_dots: a kv head's value rows widened once per block
+            buf = _scratch(builder, vf, WEIGH_BLOCK * SCRATCH_DIM) if staged else None
+            fits = builder.and_(builder.icmp_signed("<=", dv, ir.Constant(_I64, SCRATCH_DIM)),
+                                builder.icmp_signed(">", group, ir.Constant(_I64, 1)))
             with cgutils.for_range(builder, blocks) as blk:
                 s0 = builder.mul(blk.index, nb)
                 s1 = builder.select(builder.icmp_signed("<", builder.add(s0, nb), n), builder.add(s0, nb), n)
                 m = builder.sub(s1, s0)
                 s2 = builder.select(builder.icmp_signed("<", builder.add(s1, nb), n), builder.add(s1, nb), n)
-                with cgutils.for_range(builder, osh[0]) as hj:
-                    j = hj.index
+
+                def one_head(j, value):  # noqa: ANN001, ANN202 - value(s, off): position s's row at float off
                     with builder.if_then(builder.icmp_signed("<", s1, s2)):
-                        _prefetch_rows(builder, vbase, s1, s2, vst[0], (j, osh[0]))
+                        _prefetch_rows(builder, vbase, s1, s2, vst[0], (j, heads))
                     prow = _at(builder, pp, (j, pst[0]))
                     orow = _at(builder, op, (j, ost[0]))
-                    vrow0 = _at(builder, vp, (builder.add(lo, s0), vst[0]), (builder.sdiv(j, group), vst[1]))
                     with cgutils.for_range(builder, sets) as cs:
                         c0 = builder.mul(cs.index, ir.Constant(_I64, step))
 
                         def position(s, acc):  # noqa: ANN001, ANN202 - acc[k] += p[j, s0 + s]·v[s0 + s, chunk k]
                             w = builder.load(_floats_at(builder, prow, builder.add(s0, s), _F32))
                             wv = ir_splat(builder, w, vf)
-                            row = builder.gep(vrow0, [builder.add(builder.mul(s, vst[0]),
-                                                                  builder.mul(c0, ir.Constant(_I64, esize)))])
                             for k, a in enumerate(acc):
-                                at = builder.gep(row, [ir.Constant(_I64, k * lanes * esize)])
-                                vv = _load_row(builder, at, is_f16, lanes)
+                                vv = value(j, s, builder.add(c0, ir.Constant(_I64, k * lanes)))
                                 builder.store(_fmuladd(builder, wv, vv, builder.load(a)), a)
 
                         for a in accs[0] + accs[1]:
@@ -281,6 +325,36 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                             dst = _floats_at(builder, orow, builder.add(c0, ir.Constant(_I64, k * lanes)), vf)
                             total = builder.fadd(builder.load(accs[0][k]), builder.load(accs[1][k]))
                             builder.store(builder.fadd(builder.load(dst, align=4), total), dst, align=4)
+
+                def from_cache(j, s, off):  # noqa: ANN001, ANN202 - the value chunk, loaded (and widened) here
+                    row = _at(builder, vp, (builder.add(lo, builder.add(s0, s)), vst[0]), (builder.sdiv(j, group), vst[1]))
+                    return _load_row(builder, builder.gep(row, [builder.mul(off, ir.Constant(_I64, esize))]), is_f16, lanes)
+
+                def direct():  # noqa: ANN202
+                    with cgutils.for_range(builder, heads) as hj:
+                        one_head(hj.index, from_cache)
+
+                if not staged:
+                    direct()
+                else:
+                    with builder.if_else(fits) as (then, otherwise):
+                        with then:
+                            with cgutils.for_range(builder, kvh) as hh:
+                                with cgutils.for_range(builder, m) as ss:  # widen the block's rows of this kv head
+                                    row = _at(builder, vp, (builder.add(lo, builder.add(s0, ss.index)), vst[0]),
+                                              (hh.index, vst[1]))
+                                    with cgutils.for_range(builder, builder.sdiv(dv, nl)) as ch:
+                                        off = builder.mul(ch.index, nl)
+                                        v = _load_row(builder, builder.gep(row, [builder.mul(off, ir.Constant(_I64, esize))]),
+                                                      True, lanes)
+                                        at = builder.add(builder.mul(ss.index, ir.Constant(_I64, SCRATCH_DIM)), off)
+                                        builder.store(v, _floats_at(builder, buf, at, vf), align=4)
+                                with cgutils.for_range(builder, group) as gg:
+                                    one_head(builder.add(builder.mul(hh.index, group), gg.index), lambda j, s, off: builder.load(
+                                        _floats_at(builder, buf, builder.add(builder.mul(s, ir.Constant(_I64, SCRATCH_DIM)), off),
+                                                   vf), align=4))
+                        with otherwise:
+                            direct()
             return context.get_dummy_value()
 
         return sig, codegen

@@ -23,6 +23,7 @@ from ...numba_prims import chunk
 from ...kernels.vmath import exp_f32
 from .attend_ir import LANES, WEIGH_BLOCK, head_dots, prefetch_rows, weigh_rows1, weigh_rows2, weigh_rows4
 from .kv_values import as_f32, put_entry
+from .norm_ir import squares8
 
 _EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
 _FAST = dict(_EXACT, fastmath={"contract", "nsz", "arcp", "reassoc"})
@@ -38,54 +39,59 @@ PARALLEL_ATTEND = 1 << 19
 _PAIRWISE_BLOCK = 128
 
 
-@numba.njit(**_EXACT)
-def _leaf_squares(x, lo, n):  # pragma: no cover - compiled
-    """Σ float64(x[i])² over x[lo:lo + n], n ≤ _PAIRWISE_BLOCK, as numpy sums one such block."""
+@numba.njit(inline="always", **_EXACT)
+def _leaf_squares(x, t, lo, n):  # pragma: no cover - compiled
+    """Σ float64(x[t, i])² over i in [lo, lo + n), n ≤ _PAIRWISE_BLOCK, as numpy sums one such
+    block: eight accumulators (one vector of eight lanes, :func:`~.norm_ir.squares8`, when rows
+    are contiguous), then the remainder one by one. Row t of the 2-D x, not a view of it: a
+    view per row cost reference counting (atomics) at every call."""
     if n < 8:
         acc = 0.0
         for i in range(lo, lo + n):
-            v = np.float64(x[i])
+            v = np.float64(x[t, i])
             acc += v * v
         return acc
-    v0, v1, v2, v3 = np.float64(x[lo]), np.float64(x[lo + 1]), np.float64(x[lo + 2]), np.float64(x[lo + 3])
-    v4, v5, v6, v7 = np.float64(x[lo + 4]), np.float64(x[lo + 5]), np.float64(x[lo + 6]), np.float64(x[lo + 7])
-    r0, r1, r2, r3, r4, r5, r6, r7 = v0 * v0, v1 * v1, v2 * v2, v3 * v3, v4 * v4, v5 * v5, v6 * v6, v7 * v7
     m = lo + n - n % 8
-    i = lo + 8
-    while i < m:
-        v0, v1, v2, v3 = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
-        v4, v5, v6, v7 = np.float64(x[i + 4]), np.float64(x[i + 5]), np.float64(x[i + 6]), np.float64(x[i + 7])
-        r0 += v0 * v0
-        r1 += v1 * v1
-        r2 += v2 * v2
-        r3 += v3 * v3
-        r4 += v4 * v4
-        r5 += v5 * v5
-        r6 += v6 * v6
-        r7 += v7 * v7
-        i += 8
-    acc = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    if x.strides[1] == 4:
+        acc = squares8(x, t, lo, m)
+    else:
+        v0, v1, v2, v3 = np.float64(x[t, lo]), np.float64(x[t, lo + 1]), np.float64(x[t, lo + 2]), np.float64(x[t, lo + 3])
+        v4, v5, v6, v7 = np.float64(x[t, lo + 4]), np.float64(x[t, lo + 5]), np.float64(x[t, lo + 6]), np.float64(x[t, lo + 7])
+        r0, r1, r2, r3, r4, r5, r6, r7 = v0 * v0, v1 * v1, v2 * v2, v3 * v3, v4 * v4, v5 * v5, v6 * v6, v7 * v7
+        i = lo + 8
+        while i < m:
+            v0, v1, v2, v3 = np.float64(x[t, i]), np.float64(x[t, i + 1]), np.float64(x[t, i + 2]), np.float64(x[t, i + 3])
+            v4, v5, v6, v7 = np.float64(x[t, i + 4]), np.float64(x[t, i + 5]), np.float64(x[t, i + 6]), np.float64(x[t, i + 7])
+            r0 += v0 * v0
+            r1 += v1 * v1
+            r2 += v2 * v2
+            r3 += v3 * v3
+            r4 += v4 * v4
+            r5 += v5 * v5
+            r6 += v6 * v6
+            r7 += v7 * v7
+            i += 8
+        acc = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     for j in range(m, lo + n):
-        v = np.float64(x[j])
+        v = np.float64(x[t, j])
         acc += v * v
     return acc
 
 
-@numba.njit(**_EXACT)
-def _sum_squares(x, n):  # pragma: no cover - compiled
-    """Σ float64(x[i])² over x[:n] in the order numpy's pairwise sum adds them.
+@numba.njit(inline="always", **_EXACT)
+def _sum_squares(x, t, n, lo_st, n_st, vals):  # pragma: no cover - compiled
+    """Σ float64(x[t, i])² over i < n in the order numpy's pairwise sum adds them.
 
     The squares are exact in float64, so only the order of the additions can differ; this is
     numpy's order, hence the mean of squares of ``norm.rms_norm_prepared`` to the bit (and eight
     independent accumulators: the sum runs at throughput, not at add latency). numpy recurses;
     this walks the same tree with an explicit stack, because numba's on-disk cache cannot reload
-    a recursive function (the process crashed on the second run)."""
+    a recursive function (the process crashed on the second run). The stack is the caller's
+    (:func:`_stacks`, made once per call of a norm, not per row: three allocations a row were
+    most of a 576-wide row's time)."""
     if n <= _PAIRWISE_BLOCK:
-        return _leaf_squares(x, 0, n)
+        return _leaf_squares(x, t, 0, n)
     # post-order walk: a node is (lo, n); n = -1 marks "add the last two sums"
-    lo_st = np.empty(130, np.int64)
-    n_st = np.empty(130, np.int64)
-    vals = np.empty(66, np.float64)
     lo_st[0], n_st[0] = 0, n
     sp, vp = 1, 0
     while sp > 0:
@@ -95,7 +101,7 @@ def _sum_squares(x, n):  # pragma: no cover - compiled
             vp -= 1
             vals[vp - 1] = vals[vp - 1] + vals[vp]
         elif m <= _PAIRWISE_BLOCK:
-            vals[vp] = _leaf_squares(x, lo, m)
+            vals[vp] = _leaf_squares(x, t, lo, m)
             vp += 1
         else:
             half = m // 2
@@ -107,14 +113,21 @@ def _sum_squares(x, n):  # pragma: no cover - compiled
     return vals[0]
 
 
+@numba.njit(inline="always")
+def _stacks():  # pragma: no cover - compiled
+    """The walk stacks of :func:`_sum_squares` (depth ≤ 64: any length an int64 holds)."""
+    return np.empty(130, np.int64), np.empty(130, np.int64), np.empty(66, np.float64)
+
+
 @numba.njit(**_EXACT)
-def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
-    """out[r] = x[r] · f32(1/sqrt(mean(x[r]²) + eps)) · w for each row of x [T, n] (w may be empty):
-    the runtime's one RMSNorm (every norm of a layer at any T, the final norm, MLA's latent norms,
-    the MTP head), the values of ``norm.rms_norm_prepared`` to the bit."""
+def _norm_rows(x, w, eps, out, lo_st, n_st, vals):  # pragma: no cover - compiled
     T, n = x.shape
     for t in range(T):
-        inv = np.float32(1.0 / math.sqrt(_sum_squares(x[t], n) / n + eps))
+        if n <= _PAIRWISE_BLOCK:
+            ss = _leaf_squares(x, t, 0, n)
+        else:
+            ss = _sum_squares(x, t, n, lo_st, n_st, vals)
+        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
         if w.shape[0]:
             for i in range(n):
                 out[t, i] = (x[t, i] * inv) * w[i]
@@ -123,14 +136,30 @@ def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
                 out[t, i] = x[t, i] * inv
 
 
+@numba.njit(**_EXACT)
+def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
+    """out[r] = x[r] · f32(1/sqrt(mean(x[r]²) + eps)) · w for each row of x [T, n] (w may be empty):
+    the runtime's one RMSNorm (every norm of a layer at any T, the final norm, MLA's latent norms,
+    the MTP head), the values of ``norm.rms_norm_prepared`` to the bit. The rows run in
+    :func:`_norm_rows` with the walk's stacks as arguments: allocated in the function that loops
+    over the rows, they cost ~60 ns a row (576 wide: 0.5 µs a row before, 0.1 µs now)."""
+    lo_st, n_st, vals = _stacks()
+    _norm_rows(x, w, eps, out, lo_st, n_st, vals)
+
+
 @numba.njit(parallel=True, **_EXACT)
-def rms_norm_rows_par(x, w, eps, out):  # pragma: no cover - compiled
-    """:func:`rms_norm_into` with the rows split over the threads (each row the same arithmetic)."""
-    for t in numba.prange(x.shape[0]):
-        rms_norm_into(x[t:t + 1], w, eps, out[t:t + 1])
+def rms_norm_rows_par(x, w, eps, out, nt):  # pragma: no cover - compiled
+    """:func:`rms_norm_into` with the rows split over ``nt`` threads in contiguous shares (each
+    row the same arithmetic)."""
+    T = x.shape[0]
+    for j in numba.prange(nt):
+        t0, t1 = chunk(T, nt, j, 1)
+        rms_norm_into(x[t0:t1], w, eps, out[t0:t1])
 
 
-PARALLEL_NORM_ROWS = 8  # rows from which a norm splits them over the threads (16 × 576: 13 → ~8 µs)
+# Rows from which a norm splits them over the threads: a parallel region costs ~4 µs, a 576-wide
+# row ~0.2 µs (16 × 576: 5.1 µs serial, 6.0 split; 64 rows: 19 against 15).
+PARALLEL_NORM_ROWS = 32
 
 
 def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) -> np.ndarray:
@@ -140,7 +169,7 @@ def norm_into(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray) 
     if w is None:
         out[...] = x
     elif x.shape[0] >= PARALLEL_NORM_ROWS:
-        rms_norm_rows_par(x, w, eps, out)
+        rms_norm_rows_par(x, w, eps, out, numba.get_num_threads())
     else:
         rms_norm_into(x, w, eps, out)
     return out
