@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .decode import attends_serially, rope_append_attend, split_combine, split_part
+from .decode import attends_serially, padded, rope_append_attend_into, split_combine, split_part
 from .kv_values import pointer_at
 
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
@@ -49,14 +49,23 @@ def batch_rope_append_attend(Q, Kn, Vn, qn, kn, eps, cos, sin, kaddr, vaddr, cap
     without a parallel region per sequence."""
     kvh, hd, vd = Kn.shape[1], Kn.shape[2], Vn.shape[2]
     B, H = Q.shape[0], Q.shape[1]
+    width, nlong = 1, 0  # the serial sequences' longest score row; how many split
+    for b in range(B):
+        if serial[b]:
+            width = max(width, padded(ns[b] + 1))
+        else:
+            nlong += 1
+    p = np.empty((B, H, width), np.float32)  # every serial sequence's scratch, one allocation
+    mx1 = np.empty((B, H), np.float32)
+    tot1 = np.empty((B, H), np.float32)
     for b in prange(B):
         K = numba.carray(pointer_at(kaddr[b], like), (caps[b], kvh, hd))
         V = numba.carray(pointer_at(vaddr[b], like), (caps[b], kvh, vd))
-        rope_append_attend(Q[b], Kn[b], Vn[b], qn, kn, eps, cos[b], sin[b], K, V, ns[b], poss[b], starts[b], scale,
-                           window, softcap, out[b], serial[b])
-    long = np.flatnonzero(~serial)
-    if long.shape[0] == 0:
+        rope_append_attend_into(Q[b], Kn[b], Vn[b], qn, kn, eps, cos[b], sin[b], K, V, ns[b], poss[b], starts[b],
+                                scale, window, softcap, out[b], serial[b], p[b], mx1[b], tot1[b])
+    if nlong == 0:
         return
+    long = np.flatnonzero(~serial)
     mx = np.empty((long.shape[0], nt, H), np.float32)
     tot = np.empty((long.shape[0], nt, H), np.float32)
     part = np.empty((long.shape[0], nt, H, vd), np.float32)

@@ -328,11 +328,19 @@ def attend_one(q, keys, vals, pos, k0, scale, window, softcap, out):  # pragma: 
     """out[H, Dv] for one query q[H, D] at absolute position ``pos`` over keys/vals [S, KV, ·]
     whose entry 0 sits at ``k0`` (``window``/``softcap`` 0: none)."""
     H = q.shape[0]
+    lo, hi = _span(keys.shape[0], pos, k0, window)
+    attend_one_into(q, keys, vals, pos, k0, scale, window, softcap, out, np.empty((H, padded(hi - lo)), np.float32),
+                    np.empty(H, np.float32), np.empty(H, np.float32))
+
+
+@numba.njit(**_FAST)
+def attend_one_into(q, keys, vals, pos, k0, scale, window, softcap, out, p, mx, tot):  # pragma: no cover - compiled
+    """:func:`attend_one` with the caller's scratch: scores p [H, ≥ padded(positions seen)], and
+    mx, tot [H] (the batched step gives every sequence a slice of one allocation: three
+    allocations per sequence and layer were a tenth of its attention at a hundred positions)."""
+    H = q.shape[0]
     group = H // keys.shape[1]
     lo, hi = _span(keys.shape[0], pos, k0, window)
-    p = np.empty((H, padded(hi - lo)), np.float32)
-    mx = np.empty(H, np.float32)
-    tot = np.empty(H, np.float32)
     _first_values(vals, lo, hi - lo)
     _scores(q, keys, group, lo, hi, np.float32(scale), np.float32(softcap), p, mx)
     _weigh(vals, group, lo, hi - lo, p, mx, tot, out)
@@ -406,11 +414,21 @@ def rope_append_attend(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, 
     :func:`attend_one` over entries [0, n] into ``out``. A token step made these three calls
     plus the cache append in Python (~15 µs a layer); the caller runs the parallel attention
     itself for long caches (``attend`` False)."""
+    H = q.shape[0]
+    w = padded(n + 1) if attend else 1
+    rope_append_attend_into(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, window, softcap, out, attend,
+                            np.empty((H, w), np.float32), np.empty(H, np.float32), np.empty(H, np.float32))
+
+
+@numba.njit(**_EXACT)
+def rope_append_attend_into(q, k, v, qn, kn, eps, cos, sin, K, V, n, pos, k0, scale, window, softcap, out, attend,
+                            p, mx, tot):  # pragma: no cover - compiled
+    """:func:`rope_append_attend` with the caller's attention scratch (:func:`attend_one_into`)."""
     qk_norm_rope(q, k, qn, kn, eps, cos, sin)
     put_entry(K[n], k)
     put_entry(V[n], v)
     if attend:
-        attend_one(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out)
+        attend_one_into(q, K[:n + 1], V[:n + 1], pos, k0, scale, window, softcap, out, p, mx, tot)
 
 
 def attends_serially(q: np.ndarray, n_keys, nt: int):  # noqa: ANN001, ANN201 - int or int array
