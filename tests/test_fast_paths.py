@@ -423,3 +423,10 @@ def test_add_norm_into_is_the_add_then_the_norm() -> None:
     assert np.array_equal(x, want_x) and np.array_equal(got, want)
     decode.add_into(x, a)
     assert np.array_equal(x, want_x + a)
+    for rows in (3, decode.PARALLEL_NORM_ROWS + 5):  # one call, and the add then the split norm
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        a = rng.standard_normal((rows, 96)).astype(np.float32)
+        want_x = x + a
+        want = decode.norm_into(want_x, w, 1e-6, np.empty_like(x))
+        got = decode.add_norm(x, a, w, 1e-6, np.empty_like(x))
+        assert np.array_equal(x, want_x) and np.array_equal(got, want)

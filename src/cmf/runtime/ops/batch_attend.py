@@ -84,7 +84,8 @@ def batch_rope_append_attend(Q, Kn, Vn, qn, kn, eps, cos, sin, kaddr, vaddr, cap
 def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: list, positions: list[int],  # noqa: ANN001
                  cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
-    it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
+    it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] with each head's row contiguous (views
+    of the batch's q/k/v product: q and k are normalized and rotated in place); states: each sequence's
     LayerKV (all keeping every entry: the caller checks; one storage type: checked here); cos/sin:
     [B, rotary_dim] at each position."""
     kind = states[0].dtype

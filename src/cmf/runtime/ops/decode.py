@@ -191,6 +191,17 @@ def add_norm_into(x, a, w, eps, out):  # pragma: no cover - compiled
     rms_norm_into(x, w, eps, out)
 
 
+def add_norm(x: np.ndarray, a: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
+    """x += a, then :func:`norm_into` of x into ``out`` (one compiled call below
+    :data:`PARALLEL_NORM_ROWS` rows): the batched step's residual add and the next norm."""
+    if x.shape[0] >= PARALLEL_NORM_ROWS:
+        add_into(x, a)
+        rms_norm_rows_par(x, w, eps, out, numba.get_num_threads())
+    else:
+        add_norm_into(x, a, w, eps, out)
+    return out
+
+
 @numba.njit(**_EXACT)
 def rope_into(h, cos, sin):  # pragma: no cover - compiled
     """Half-split rotation of the first cos.shape[0] dims of each head h [heads, D], in place: the
