@@ -156,6 +156,43 @@ def test_batch_sizes_past_the_kept_buffers_stay_exact(model_path):
         model.close()
 
 
+def test_kept_cache_addresses_follow_growth_rollback_and_moves(model_path):
+    """The batched step keeps each layer's cache addresses while the same caches come back
+    (batch_attend.StepCaches): over 80 steps (past the room it reserves ahead), after one cache is
+    rolled back between steps and after another's arrays are replaced between steps (shrink),
+    every row still equals its sequence alone, bit for bit."""
+    from cmf.runtime.batched import shrink
+
+    model = cmf.load(model_path, int8_activations=True, kv_cache="f16")
+    try:
+        tok = model.tokenizer
+        caches, alone, nxt = [], [], []
+        for i in range(3):
+            c = model.new_cache()
+            nxt.append(int(np.argmax(model.prefill(tok.encode(f"{WORDS[i]} {WORDS[i + 2]} {i}"), c)[-1])))
+            caches.append(c)
+            alone.append(clone_prefix(c, c.pos, 0))
+        bd = decoder(model)
+        for step in range(80):
+            if step == 30:
+                for c in (caches[1], alone[1]):
+                    c.truncate(c.pos - 5)
+            if step == 50:
+                shrink(caches[2])
+            out = bd.step(nxt, caches)
+            for r in range(3):
+                ref = model.forward([nxt[r]], alone[r])[-1]
+                assert np.array_equal(ref, out[r]), (step, r)
+                nxt[r] = int(np.argmax(ref))
+        assert caches[0].pos > 64
+        kept = dict(bd._kv._rows)
+        assert kept and all(c.pos < f for c, f in zip(caches, bd._kv._floor))  # room left: nothing to move
+        bd.step(nxt, caches)
+        assert all(bd._kv._rows[i] is kept[i] for i in kept)  # gathered once, read again
+    finally:
+        model.close()
+
+
 @pytest.fixture(scope="module")
 def matrices(tmp_path_factory):
     """One file with matrices of the batch-exact families (and one 4-bit) at a few shapes."""

@@ -27,7 +27,7 @@ from .blocks import Attention, Block, DenseFfn
 from .cache import Cache, LayerKV, LinearState
 from .model import ContextOverflow
 from .ops.decode import add_into, add_norm, norm_into
-from .ops.batch_attend import attend_batch
+from .ops.batch_attend import StepCaches, attend_batch, attend_step
 from .schedule import run_layer
 from .step import AttnStep, FfnStep, TokenAttention, rope_at
 from ..kernels.gemv_batch import BatchGroup
@@ -159,6 +159,7 @@ class BatchDecoder:
         self._ropes: dict = {}
         self._bufs: dict[int, _Buffers] = {}  # batch size -> its activation arrays
         self._positions = np.empty(0, np.int64)  # this step's positions (attention's argument)
+        self._kv = StepCaches()  # the plain layers' caches as attention reads them
 
     def step(self, tokens: Sequence[int], caches: Sequence[Cache]) -> np.ndarray:
         """Feed ``tokens[b]`` to ``caches[b]`` for every b; the logits [B, vocab] (float32)."""
@@ -179,6 +180,7 @@ class BatchDecoder:
         model._count_forward(1)  # the embedding's looked-up pages, given back as for decode forwards
         positions = [c.pos for c in caches]
         self._positions = np.array(positions, np.int64)  # attention's argument, made once a step
+        self._kv.start(caches, self._positions)
         self._ropes: dict = {}  # this step's cos/sin rows per RoPE profile
         nt = numba.get_num_threads()
         bufs = self._bufs.get(b)
@@ -195,7 +197,7 @@ class BatchDecoder:
             states = [c.layers[i] for c in caches]
             plain = self._plain(block, states, bufs, nt) if block.alive else None
             if plain is not None:
-                pending = self._plain_layer(block, *plain, x, pending, states, positions, nt)
+                pending = self._plain_layer(i, block, *plain, x, pending, states, positions, nt)
                 continue
             if pending is not None:
                 add_into(x, pending)
@@ -225,19 +227,17 @@ class BatchDecoder:
     # -- one layer ---------------------------------------------------------------------------------
     def _plain(self, block: Block, states: list, bufs: _Buffers, nt: int) -> tuple | None:
         """(ops, bound layer) when ``block`` takes :meth:`_plain_layer`: bound products, pre-norms
-        only (no sandwich, no pass-end norm), every state a LayerKV; else None."""
+        only (no sandwich, no pass-end norm); else None."""
         if block.plan.sandwich or block.n_exit is not None or block.n_in is None or block.n_post_attn is None:
             return None
         ops = getattr(block, "_batch_ops", None)
         if ops is None:
             ops = block._batch_ops = _LayerOps(block)
         bound = ops.bound(block, bufs, nt)
-        if bound is None or not all(type(kv) is LayerKV for kv in states):
-            return None
-        return ops, bound
+        return None if bound is None else (ops, bound)
 
-    def _plain_layer(self, block: Block, ops: _LayerOps, bound: _BoundLayer, x: np.ndarray, pending: np.ndarray | None,
-                     states: list, positions: list[int], nt: int) -> np.ndarray:
+    def _plain_layer(self, i: int, block: Block, ops: _LayerOps, bound: _BoundLayer, x: np.ndarray,
+                     pending: np.ndarray | None, states: list, positions: list[int], nt: int) -> np.ndarray:
         """The common layer (``run_layer``'s schedule with pre-norms) on its bound arrays, each
         residual add in one call with the norm after it — the previous layer's FFN output
         (``pending``) with this layer's input norm, the mixer's with the post-attention norm —
@@ -248,7 +248,7 @@ class BatchDecoder:
             norm_into(x, block.n_in, eps, bound.h)
         else:
             add_norm(x, pending, block.n_in, eps, bound.h)
-        add_norm(x, self._attention(block, ops, bound.h, states, positions, nt, bound), block.n_post_attn, eps,
+        add_norm(x, self._attention(block, ops, bound.h, states, positions, nt, bound, i), block.n_post_attn, eps,
                  bound.h)
         return self._ffn(block, ops, bound.h, nt, bound)
 
@@ -270,7 +270,7 @@ class BatchDecoder:
                          lambda v, w, slot: norm_into(v, w, eps, _slot(bound, slot, v)), _add)
 
     def _attention(self, block: Block, ops: _LayerOps, h: np.ndarray, states: list, positions: list[int],
-                   nt: int, bound: "_BoundLayer | None") -> np.ndarray:
+                   nt: int, bound: "_BoundLayer | None", layer: int = -1) -> np.ndarray:
         m = block.mixer
         a = m.a
         bsz = h.shape[0]
@@ -287,9 +287,17 @@ class BatchDecoder:
         v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
         att = (bound.att if bound is not None else np.empty((bsz, a.heads * a.v_head_dim), np.float32)).reshape(
             bsz, a.heads, a.v_head_dim)
-        if all(type(kv) is LayerKV and kv.window is None for kv in states):  # one call for the batch
+        rows = self._kv.layer(layer, states) if layer >= 0 else None  # gathered once, kept across steps
+        if rows is not None:
             cos, sin = self._rope(a.rope, positions)
-            attend_batch(ops.attend, q, k, v, states, self._positions, cos, sin, att, nt)
+            # contiguous copies: the compiled attention over strided views of the product was
+            # ~10% slower (2026-12-06, three alternated pairs), more than the copies cost
+            attend_step(ops.attend, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                        states, rows, self._kv, cos, sin, att, nt)
+        elif all(type(kv) is LayerKV and kv.window is None for kv in states):  # one call for the batch
+            cos, sin = self._rope(a.rope, positions)
+            attend_batch(ops.attend, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                         states, self._positions, cos, sin, att, nt)
         else:  # sliding windows drop entries as they append: one sequence at a time
             for i, (kv, pos) in enumerate(zip(states, positions)):
                 ops.attend(q[i], k[i], v[i], kv, pos, att[i], nt)

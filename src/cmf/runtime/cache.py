@@ -15,6 +15,10 @@ class LayerKV:
     ``window - 1`` positions before the newest are dropped (the next query cannot see them).
     """
 
+    # Replacements of any LayerKV's arrays so far (the batched step keeps addresses while this
+    # stays: runtime/ops/batch_attend.StepCaches).
+    moves = 0
+
     def __init__(self, kv_heads: int, head_dim: int, window: int | None = None, v_dim: int | None = None,
                  dtype: str = "f32") -> None:
         self.kv_heads, self.head_dim, self.window = kv_heads, head_dim, window
@@ -38,6 +42,7 @@ class LayerKV:
     @k.setter
     def k(self, a: np.ndarray) -> None:
         self._k, self.k_addr, self.capacity = a, a.ctypes.data, a.shape[0]
+        LayerKV.moves += 1
 
     @property
     def v(self) -> np.ndarray:
@@ -46,6 +51,7 @@ class LayerKV:
     @v.setter
     def v(self, a: np.ndarray) -> None:
         self._v, self.v_addr = a, a.ctypes.data
+        LayerKV.moves += 1
 
     @property
     def end(self) -> int:

@@ -84,8 +84,7 @@ def batch_rope_append_attend(Q, Kn, Vn, qn, kn, eps, cos, sin, kaddr, vaddr, cap
 def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: list, positions: list[int],  # noqa: ANN001
                  cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
-    it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] with each head's row contiguous (views
-    of the batch's q/k/v product: q and k are normalized and rotated in place); states: each sequence's
+    it reads) into out [B, heads, v_dim]. q/k/v: [B, ·, ·] C-contiguous; states: each sequence's
     LayerKV (all keeping every entry: the caller checks; one storage type: checked here); cos/sin:
     [B, rotary_dim] at each position."""
     kind = states[0].dtype
@@ -108,4 +107,84 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
         kv.n += 1
 
 
-__all__ = ["attend_batch", "batch_rope_append_attend"]
+class StepCaches:
+    """A decode step's caches as :func:`batch_rope_append_attend` reads them, kept across steps.
+
+    :func:`attend_batch` gathered every sequence's entries, capacity, addresses and first position
+    in Python at every layer (~10 µs a layer at 16 sequences, 0.3 ms of a step). Here a layer's
+    capacities and addresses are [B] arrays made once and kept while the same caches come back and
+    no cache array anywhere was replaced (:attr:`~cmf.runtime.cache.LayerKV.moves`), with room
+    reserved ahead; the entries are the positions (a cache keeping every entry holds exactly its
+    position's count, from entry 0: checked whenever a layer's arrays are gathered) and the
+    serial/split choice is made once a step."""
+
+    RESERVE = 64  # entries reserved past the position when a layer's arrays are gathered
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._rows: dict = {}  # layer index -> (capacities, key addresses, value addresses, dtype)
+        self._floor = np.zeros(0, np.int64)  # per sequence, the least capacity over the kept layers
+        self.ns = self.starts = np.zeros(0, np.int64)
+        self._serial: dict = {}
+
+    def start(self, caches: list, positions: np.ndarray) -> None:
+        """Begin a step over ``caches`` at ``positions`` (int64 [B])."""
+        from ..cache import LayerKV
+
+        key = (tuple(map(id, caches)), LayerKV.moves)
+        if key != self._key or bool((positions >= self._floor).any()):
+            self._key, self._rows = key, {}
+            self._floor = np.full(len(caches), np.iinfo(np.int64).max, np.int64)
+        if self.starts.shape[0] != len(caches):
+            self.starts = np.zeros(len(caches), np.int64)
+        self.ns, self._serial = positions, {}
+
+    def layer(self, i: int, states: list) -> tuple | None:
+        """(capacities, key addresses, value addresses, dtype) of layer ``i``'s caches, or None
+        when one of them is not a LayerKV holding exactly its position's entries from entry 0
+        (the caller then takes :func:`attend_batch`)."""
+        from ..cache import LayerKV
+
+        hit = self._rows.get(i)
+        if hit is not None:
+            return hit
+        kind = states[0].dtype
+        for kv, n in zip(states, self.ns.tolist()):
+            if type(kv) is not LayerKV or kv.window is not None or kv.n != n or kv.start != 0:
+                return None
+            if kv.dtype != kind:  # the compiled call reads every cache by address as one dtype
+                raise ValueError(f"a decode batch mixes KV cache types ({kind} and {kv.dtype})")
+            if kv.capacity <= n:
+                kv.reserve(self.RESERVE + 1)
+        caps = np.array([kv.capacity for kv in states], np.int64)
+        hit = self._rows[i] = (caps, np.array([kv.k_addr for kv in states], np.int64),
+                               np.array([kv.v_addr for kv in states], np.int64), kind)
+        np.minimum(self._floor, caps, out=self._floor)
+        self._key = (self._key[0], LayerKV.moves)  # this step's own reservations moved arrays it now holds
+        return hit
+
+    def serial(self, q: np.ndarray, nt: int) -> np.ndarray:
+        """Per sequence, whether its attention runs on one thread (as :func:`attend_batch`)."""
+        key = q.shape[1:]
+        hit = self._serial.get(key)
+        if hit is None:
+            if attends_serially(q[0], int(self.ns.max()) + 1, nt):
+                hit = _all_serial(self.ns.shape[0])
+            else:
+                hit = attends_serially(q[0], self.ns + 1, nt)
+            hit = self._serial[key] = hit
+        return hit
+
+
+def attend_step(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: list, rows: tuple,  # noqa: ANN001
+                steps: StepCaches, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
+    """:func:`attend_batch` over a layer's gathered caches (``rows``: :meth:`StepCaches.layer`)."""
+    caps, kaddr, vaddr, kind = rows
+    batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, steps.ns,
+                             steps.ns, steps.starts, attend.scale, attend.window, attend.softcap,
+                             steps.serial(q, nt), out, _LIKE[kind], max(int(nt), 1))
+    for kv in states:
+        kv.n += 1
+
+
+__all__ = ["StepCaches", "attend_batch", "attend_step", "batch_rope_append_attend"]
