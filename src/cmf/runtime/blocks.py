@@ -124,7 +124,7 @@ class Attention:
         if self.vb is not None:
             v += self.vb
         v = v.reshape(t, a.kv_heads, a.v_head_dim)
-        cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
+        cos, sin = a.rope.cos_sin_at(pos0, t)
         # q and k are this call's own arrays (fresh products): normalized and rotated in place
         q, k = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k, dtype=np.float32)
         qk_norm_rope_rows(q, k, self.qn, self.kn, self.eps, cos, sin)
@@ -200,7 +200,7 @@ class LatentAttention:
         if a.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         if a.rotate:
-            cos, sin = a.rope.cos_sin(np.arange(pos0, pos0 + t))
+            cos, sin = a.rope.cos_sin_at(pos0, t)
             q_rot = rope_rows(np.ascontiguousarray(q_rot), cos, sin)
             k_rot = rope_rows(np.ascontiguousarray(k_rot), cos, sin)
         latents, k_rots, k0 = kv.append(latent[:, None, :], k_rot)

@@ -31,6 +31,17 @@ class RopeProfile:
             cos, sin = cos * f, sin * f
         return cos.astype(np.float32), sin.astype(np.float32)
 
+    def cos_sin_at(self, pos0: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`cos_sin` of positions pos0 .. pos0 + t − 1, shared: callers only read them. The
+        last range asked for is kept, because every layer of a forward asks for the same one (30
+        computations of a 30-token prompt's rows were 3% of its prefill on SmolLM2-135M)."""
+        last = getattr(self, "_last", None)
+        if last is not None and last[0] == pos0 and last[1] == t:
+            return last[2], last[3]
+        cos, sin = self.cos_sin(np.arange(pos0, pos0 + t))
+        object.__setattr__(self, "_last", (pos0, t, cos, sin))  # one assignment: a reader sees all or none
+        return cos, sin
+
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate x [T, heads, head_dim] in place of its first cos.shape[-1] dims; returns x.
