@@ -212,17 +212,20 @@ def run_level(host: str, port: int, clients: int, per_client: int, texts: list[s
             "engine_tps": statistics.median(r["engine_tps"] for r in results) if results else 0.0}
 
 
-def warm_up(host: str, port: int, texts: list[str]) -> None:
-    """Untimed: one request, then a batch of 8 streams — a server's first batched steps compile its
-    batched kernels when their cache is cold (a fresh checkout), which a timed level would otherwise
-    count (2026-12-05: 72 t/s at 4 streams on the first run, 220 on the next)."""
+def warm_up(host: str, port: int, texts: list[str], streams: int = 8) -> None:
+    """Untimed: one request, then a batch of 8 streams and one of ``streams`` (the largest level) —
+    a server's first batched steps compile its batched kernels when their cache is cold (a fresh
+    checkout), which a timed level would otherwise count (2026-12-05: 72 t/s at 4 streams on the
+    first run, 220 on the next; 2026-12-06: a 32-stream level's TTFT p99 5.6 s against 0.9–1.3 s
+    once the kernels that split a batch's norms from 32 rows had been compiled)."""
     one_request(host, port, [{"role": "user", "content": texts[0]}], 8)
-    run_level(host, port, 8, 1, texts, 16)
+    for n in sorted({8, max(streams, 1)}):
+        run_level(host, port, n, 1, texts, 16)
 
 
 def run_levels(host: str, port: int, levels: list[int], args: argparse.Namespace, texts: list[str]) -> list[dict]:
     """Every level ``args.runs`` times; per level the run with the median aggregate rate."""
-    warm_up(host, port, texts)
+    warm_up(host, port, texts, max(levels))
     out = []
     for c in levels:
         runs = [run_level(host, port, c, args.requests, texts, args.max_tokens) for _ in range(args.runs)]
@@ -238,7 +241,7 @@ def alternate(cmf_addr: tuple[str, int], vllm_addr: tuple[str, int], clients: in
     round, a pause before each level (the other server's kernel threads spin down): a host whose
     speed drifts by minutes then moves both figures of a round alike. Returns (cmf, vLLM) t/s."""
     for addr in (cmf_addr, vllm_addr):
-        warm_up(*addr, texts)
+        warm_up(*addr, texts, clients)
     out = []
     for k in range(rounds):
         got = {}

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ..cache import LayerKV
 from .decode import attends_serially, padded, rope_append_attend_into, split_combine, split_part
 from .kv_values import pointer_at
 
@@ -129,8 +130,6 @@ class StepCaches:
 
     def start(self, caches: list, positions: np.ndarray) -> None:
         """Begin a step over ``caches`` at ``positions`` (int64 [B])."""
-        from ..cache import LayerKV
-
         key = (tuple(map(id, caches)), LayerKV.moves)
         if key != self._key or bool((positions >= self._floor).any()):
             self._key, self._rows = key, {}
@@ -143,8 +142,6 @@ class StepCaches:
         """(capacities, key addresses, value addresses, dtype) of layer ``i``'s caches, or None
         when one of them is not a LayerKV holding exactly its position's entries from entry 0
         (the caller then takes :func:`attend_batch`)."""
-        from ..cache import LayerKV
-
         hit = self._rows.get(i)
         if hit is not None:
             return hit

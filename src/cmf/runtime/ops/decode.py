@@ -121,6 +121,7 @@ def _stacks():  # pragma: no cover - compiled
 
 @numba.njit(**_EXACT)
 def _norm_rows(x, w, eps, out, lo_st, n_st, vals):  # pragma: no cover - compiled
+    """:func:`rms_norm_into`'s rows, the pairwise walk's stacks given."""
     T, n = x.shape
     for t in range(T):
         if n <= _PAIRWISE_BLOCK:
@@ -142,7 +143,7 @@ def rms_norm_into(x, w, eps, out):  # pragma: no cover - compiled
     the runtime's one RMSNorm (every norm of a layer at any T, the final norm, MLA's latent norms,
     the MTP head), the values of ``norm.rms_norm_prepared`` to the bit. The rows run in
     :func:`_norm_rows` with the walk's stacks as arguments: allocated in the function that loops
-    over the rows, they cost ~60 ns a row (576 wide: 0.5 µs a row before, 0.1 µs now)."""
+    over the rows, they cost ~60 ns a row (576 wide: 0.56 µs a row before, 0.21 µs now)."""
     lo_st, n_st, vals = _stacks()
     _norm_rows(x, w, eps, out, lo_st, n_st, vals)
 
