@@ -56,6 +56,23 @@ def _at(builder, base, *terms):  # noqa: ANN001, ANN202
     return builder.gep(base, [off])
 
 
+def _by_kv_head(builder, staged: bool, fits, kvh, group, direct, widen, head) -> None:  # noqa: ANN001
+    """``direct()`` (every query head loads and widens its own cache rows) or, when ``staged``
+    (an f16 cache) and ``fits`` holds at run time, per kv head h: ``widen(h)`` into the stack
+    buffer, then ``head(j)`` for each query head j = h·group + g of its group."""
+    if not staged:
+        direct()
+        return
+    with builder.if_else(fits) as (then, otherwise):
+        with then:
+            with cgutils.for_range(builder, kvh) as hh:
+                widen(hh.index)
+                with cgutils.for_range(builder, group) as gg:
+                    head(builder.add(builder.mul(hh.index, group), gg.index))
+        with otherwise:
+            direct()
+
+
 def _scratch(builder, vf, floats: int):  # noqa: ANN001, ANN202
     """A byte pointer to ``floats`` float32 of stack space (vector-aligned, in the entry block)."""
     space = cgutils.alloca_once(builder, vf, size=ir.Constant(_I64, floats // vf.count))
@@ -202,27 +219,20 @@ def _make_head_dots(lanes: int):  # noqa: ANN202 - returns a numba intrinsic
                         one_head(hj.index, lambda t, c: _load_row(
                             builder, builder.gep(rows[t], [builder.mul(c, builder.mul(esize, nl))]), is_f16, lanes))
 
-                if not staged:
-                    direct()
-                else:
-                    with builder.if_else(fits) as (then, otherwise):
-                        with then:
-                            with cgutils.for_range(builder, kvh) as hh:
-                                krow = _at(builder, kp, (hh.index, kst[1]))
-                                for t in range(lanes):
-                                    row = builder.gep(krow, [offs[t]])
-                                    with cgutils.for_range(builder, chunks) as ch:
-                                        v = _load_row(builder, builder.gep(row, [builder.mul(ch.index, builder.mul(esize, nl))]),
-                                                      True, lanes)
-                                        dst = _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM),
-                                                                                    builder.mul(ch.index, nl)), vf)
-                                        builder.store(v, dst, align=4)
-                                with cgutils.for_range(builder, group) as gg:
-                                    one_head(builder.add(builder.mul(hh.index, group), gg.index), lambda t, c: builder.load(
-                                        _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM),
-                                                                             builder.mul(c, nl)), vf), align=4))
-                        with otherwise:
-                            direct()
+                def widen(h):  # noqa: ANN001, ANN202 - the block's key rows of kv head h into the buffer
+                    krow = _at(builder, kp, (h, kst[1]))
+                    for t in range(lanes):
+                        row = builder.gep(krow, [offs[t]])
+                        with cgutils.for_range(builder, chunks) as ch:
+                            v = _load_row(builder, builder.gep(row, [builder.mul(ch.index, builder.mul(esize, nl))]),
+                                          True, lanes)
+                            dst = _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM),
+                                                                        builder.mul(ch.index, nl)), vf)
+                            builder.store(v, dst, align=4)
+
+                _by_kv_head(builder, staged, fits, kvh, group, direct, widen, lambda j: one_head(j, lambda t, c: builder.load(
+                    _floats_at(builder, buf, builder.add(ir.Constant(_I64, t * SCRATCH_DIM), builder.mul(c, nl)), vf),
+                    align=4)))
             # the maxima: one vector pass over each row, the last block's spare lanes left out
             lane_ids = ir.Constant(vi, list(range(lanes)))
             with cgutils.for_range(builder, qsh[0]) as hj:
@@ -334,27 +344,19 @@ def _make_weigh_rows(lanes: int, u: int):  # noqa: ANN202 - returns a numba intr
                     with cgutils.for_range(builder, heads) as hj:
                         one_head(hj.index, from_cache)
 
-                if not staged:
-                    direct()
-                else:
-                    with builder.if_else(fits) as (then, otherwise):
-                        with then:
-                            with cgutils.for_range(builder, kvh) as hh:
-                                with cgutils.for_range(builder, m) as ss:  # widen the block's rows of this kv head
-                                    row = _at(builder, vp, (builder.add(lo, builder.add(s0, ss.index)), vst[0]),
-                                              (hh.index, vst[1]))
-                                    with cgutils.for_range(builder, builder.sdiv(dv, nl)) as ch:
-                                        off = builder.mul(ch.index, nl)
-                                        v = _load_row(builder, builder.gep(row, [builder.mul(off, ir.Constant(_I64, esize))]),
-                                                      True, lanes)
-                                        at = builder.add(builder.mul(ss.index, ir.Constant(_I64, SCRATCH_DIM)), off)
-                                        builder.store(v, _floats_at(builder, buf, at, vf), align=4)
-                                with cgutils.for_range(builder, group) as gg:
-                                    one_head(builder.add(builder.mul(hh.index, group), gg.index), lambda j, s, off: builder.load(
-                                        _floats_at(builder, buf, builder.add(builder.mul(s, ir.Constant(_I64, SCRATCH_DIM)), off),
-                                                   vf), align=4))
-                        with otherwise:
-                            direct()
+                def widen(h):  # noqa: ANN001, ANN202 - the block's value rows of kv head h into the buffer
+                    with cgutils.for_range(builder, m) as ss:
+                        row = _at(builder, vp, (builder.add(lo, builder.add(s0, ss.index)), vst[0]), (h, vst[1]))
+                        with cgutils.for_range(builder, builder.sdiv(dv, nl)) as ch:
+                            off = builder.mul(ch.index, nl)
+                            v = _load_row(builder, builder.gep(row, [builder.mul(off, ir.Constant(_I64, esize))]), True,
+                                          lanes)
+                            at = builder.add(builder.mul(ss.index, ir.Constant(_I64, SCRATCH_DIM)), off)
+                            builder.store(v, _floats_at(builder, buf, at, vf), align=4)
+
+                _by_kv_head(builder, staged, fits, kvh, group, direct, widen, lambda j: one_head(j, lambda j_, s, off: builder.load(
+                    _floats_at(builder, buf, builder.add(builder.mul(s, ir.Constant(_I64, SCRATCH_DIM)), off), vf),
+                    align=4)))
             return context.get_dummy_value()
 
         return sig, codegen
