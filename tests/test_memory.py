@@ -157,3 +157,27 @@ def test_layer_names_are_kept_per_plan_object(tmp_path) -> None:
             assert again == first and again is not first
         finally:
             m.plan.layers[0] = lp
+
+
+def test_which_forwards_give_pages_back(tmp_path) -> None:
+    """Layer pages are given back after decode forwards 1, 2, 4, ..., after prefills 1, 2, 4, ...
+    or longer than any before, and after the first forward once a layer was rebuilt (a skill or
+    task switch) — the batched decode step included, after its head's product."""
+    from cmf.runtime.batched import decoder
+
+    with cmf.load(_model(tmp_path / "m.cmf", tied=False)) as m:
+        assert [m._count_forward(t) for t in (5, 5, 5, 5, 7, 5)] == [True, True, False, True, True, False]
+        assert [m._count_forward(1) for _ in range(5)] == [True, True, False, True, False]
+        m._make_block(m.plan.layers[0])  # a rebuilt layer: the next forward of either kind is watched
+        assert [m._count_forward(5) for _ in range(3)] == [True, True, False]  # prefill 7 (rebuilt), 8, 9
+        heads: list[int] = []
+        m._give_back_head = lambda: heads.append(1)  # noqa: E731 - the instance's, recorded
+        caches = [m.new_cache(), m.new_cache()]
+        for c in caches:
+            m.forward([3, 4, 5], c)  # prefills 10 and 11: not watched
+        assert heads == []
+        m._make_block(m.plan.layers[0])
+        decoder(m).step([6, 7], caches)
+        assert heads == [1]
+        decoder(m).step([8, 9], caches)  # decode count 7: not watched (6 was, for the rebuilt layer)
+        assert heads == [1]

@@ -177,7 +177,9 @@ class BatchDecoder:
         x = model.weights.rows(plan.embed, ids)
         if plan.embed_multiplier != 1.0:
             x *= np.float32(plan.embed_multiplier)
-        model._count_forward(1)  # the embedding's looked-up pages, given back as for decode forwards
+        # the embedding's looked-up pages given back as for decode forwards; on a watched step (the
+        # first after a layer was rebuilt, decode counts 1, 2, 4, ...) the layers' pages too
+        watch = model._count_forward(1)
         positions = [c.pos for c in caches]
         self._positions = np.array(positions, np.int64)  # attention's argument, made once a step
         self._kv.start(caches, self._positions)
@@ -222,6 +224,10 @@ class BatchDecoder:
         if plan.final_softcap:
             cap = np.float32(plan.final_softcap)
             logits = np.tanh(logits / cap) * cap
+        if watch:  # after the head's product: what this step packed, the head included
+            for i in range(len(model._blocks)):
+                model._give_back(i)
+            model._give_back_head()
         return logits.astype(np.float32, copy=False)
 
     # -- one layer ---------------------------------------------------------------------------------
