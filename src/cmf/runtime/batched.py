@@ -205,7 +205,7 @@ class BatchDecoder:
                 add_into(x, pending)
                 pending = None
             if block.alive:
-                x = self._layer(block, x, states, positions, nt, bufs)
+                x = self._layer(i, block, x, states, positions, nt, bufs)
             if block.n_exit is not None:  # looped stacks: the final norm at a pass end (loops.py)
                 x = _norm(x, block.n_exit, block.eps)
         for c in caches:
@@ -258,7 +258,7 @@ class BatchDecoder:
                  bound.h)
         return self._ffn(block, ops, bound.h, nt, bound)
 
-    def _layer(self, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int,
+    def _layer(self, i: int, block: Block, x: np.ndarray, states: list, positions: list[int], nt: int,
                bufs: _Buffers) -> np.ndarray:
         """One decoder layer for the batch: the products on the layer's bound arrays where it has
         them (:class:`_BoundLayer`), else through the generic calls — one schedule, the same values."""
@@ -268,7 +268,7 @@ class BatchDecoder:
         bound = ops.bound(block, bufs, nt)
         eps = block.eps
         if ops.attn:
-            mix = lambda h: self._attention(block, ops, h, states, positions, nt, bound)  # noqa: E731
+            mix = lambda h: self._attention(block, ops, h, states, positions, nt, bound, i)  # noqa: E731
         else:  # MLA, linear attention, gated attention: the generic mixer, one sequence at a time
             mix = lambda h: np.concatenate([block.mixer(h[i:i + 1], st, p)  # noqa: E731
                                             for i, (st, p) in enumerate(zip(states, positions))])
@@ -276,7 +276,7 @@ class BatchDecoder:
                          lambda v, w, slot: norm_into(v, w, eps, _slot(bound, slot, v)), _add)
 
     def _attention(self, block: Block, ops: _LayerOps, h: np.ndarray, states: list, positions: list[int],
-                   nt: int, bound: "_BoundLayer | None", layer: int = -1) -> np.ndarray:
+                   nt: int, bound: "_BoundLayer | None", layer: int) -> np.ndarray:
         m = block.mixer
         a = m.a
         bsz = h.shape[0]
@@ -293,7 +293,7 @@ class BatchDecoder:
         v = qkv[:, ops.nq + ops.nk:].reshape(bsz, a.kv_heads, a.v_head_dim)
         att = (bound.att if bound is not None else np.empty((bsz, a.heads * a.v_head_dim), np.float32)).reshape(
             bsz, a.heads, a.v_head_dim)
-        rows = self._kv.layer(layer, states) if layer >= 0 else None  # gathered once, kept across steps
+        rows = self._kv.layer(layer, states)  # gathered once, kept across steps (None: not every cache plain)
         if rows is not None:
             cos, sin = self._rope(a.rope, positions)
             # contiguous copies: the compiled attention over strided views of the product was

@@ -197,6 +197,7 @@ class ModelMemory:
     def _init_release(self) -> None:
         self._forwards = 0
         self._decodes = self._prefills = self._longest_prefill = 0  # see _count_forward
+        self._new_blocks = False  # set by Model._make_block: the next forward is watched
         self._releaser = PackedSourceReleaser(self.file)
         self._names_memo: dict[int, tuple[object, frozenset[str]]] = {}  # see _layer_names
 
@@ -216,7 +217,7 @@ class ModelMemory:
         was (re)built (a skill or task switch: new matrices to pack). Every prefill used to be
         watched: ~1.4 ms of a 30-token prefill of SmolLM2-135M, a server's every prompt."""
         self._forwards += 1
-        fresh, self._new_blocks = getattr(self, "_new_blocks", False), False
+        fresh, self._new_blocks = self._new_blocks, False
         if self._embed_pages is not None and (t > 1 or self._forwards % EMBED_RELEASE_EVERY == 0):
             release_pages(self._embed_pages)
         if t == 1:

@@ -82,6 +82,14 @@ def batch_rope_append_attend(Q, Kn, Vn, qn, kn, eps, cos, sin, kaddr, vaddr, cap
         split_combine(mx[i], tot[i], part[i], out[long[i]])
 
 
+def _serial(q: np.ndarray, ns: np.ndarray, nt: int) -> np.ndarray:
+    """Per sequence (cache entries before this token ``ns``), whether its attention runs on one
+    thread: the one-token step's choice (``attends_serially``)."""
+    if attends_serially(q[0], int(ns.max()) + 1, nt):  # the longest cache short: every one serial
+        return _all_serial(ns.shape[0])  # short caches (the common case): no per-sequence test
+    return attends_serially(q[0], ns + 1, nt)
+
+
 def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: list, positions: list[int],  # noqa: ANN001
                  cos: np.ndarray, sin: np.ndarray, out: np.ndarray, nt: int) -> None:
     """Every sequence's one-token attention (``attend``: the layer's TokenAttention, whose constants
@@ -97,13 +105,9 @@ def attend_batch(attend, q: np.ndarray, k: np.ndarray, v: np.ndarray, states: li
             kv.reserve(1)
         meta += (kv.n, kv.capacity, kv.k_addr, kv.v_addr, kv.start)
     ns, caps, kaddr, vaddr, starts = np.array(meta, np.int64).reshape(-1, 5).T.copy()
-    if attends_serially(q[0], max(meta[::5]) + 1, nt):  # the longest cache short: every one serial
-        serial = _all_serial(len(states))  # short caches (the common case): no per-sequence test
-    else:
-        serial = attends_serially(q[0], ns + 1, nt)  # the one-token step's choice, per sequence
     batch_rope_append_attend(q, k, v, attend.qn, attend.kn, attend.eps, cos, sin, kaddr, vaddr, caps, ns,
                              np.asarray(positions, np.int64), starts, attend.scale, attend.window, attend.softcap,
-                             serial, out, _LIKE[kind], max(int(nt), 1))
+                             _serial(q, ns, nt), out, _LIKE[kind], max(int(nt), 1))
     for kv in states:
         kv.n += 1
 
@@ -161,15 +165,11 @@ class StepCaches:
         return hit
 
     def serial(self, q: np.ndarray, nt: int) -> np.ndarray:
-        """Per sequence, whether its attention runs on one thread (as :func:`attend_batch`)."""
+        """:func:`_serial` of this step's entries, once per query shape."""
         key = q.shape[1:]
         hit = self._serial.get(key)
         if hit is None:
-            if attends_serially(q[0], int(self.ns.max()) + 1, nt):
-                hit = _all_serial(self.ns.shape[0])
-            else:
-                hit = attends_serially(q[0], self.ns + 1, nt)
-            hit = self._serial[key] = hit
+            hit = self._serial[key] = _serial(q, self.ns, nt)
         return hit
 
 

@@ -42,8 +42,8 @@ _PAIRWISE_BLOCK = 128
 @numba.njit(inline="always", **_EXACT)
 def _leaf_squares(x, t, lo, n):  # pragma: no cover - compiled
     """Σ float64(x[t, i])² over i in [lo, lo + n), n ≤ _PAIRWISE_BLOCK, as numpy sums one such
-    block: eight accumulators (one vector of eight lanes, :func:`~.norm_ir.squares8`, when rows
-    are contiguous), then the remainder one by one. Row t of the 2-D x, not a view of it: a
+    block: eight accumulators (one vector of eight lanes, :func:`~.norm_ir.squares8`), then the
+    remainder one by one. Row t of the 2-D x, not a view of it: a
     view per row cost reference counting (atomics) at every call."""
     if n < 8:
         acc = 0.0
@@ -54,24 +54,8 @@ def _leaf_squares(x, t, lo, n):  # pragma: no cover - compiled
     m = lo + n - n % 8
     if x.strides[1] == 4:
         acc = squares8(x, t, lo, m)
-    else:
-        v0, v1, v2, v3 = np.float64(x[t, lo]), np.float64(x[t, lo + 1]), np.float64(x[t, lo + 2]), np.float64(x[t, lo + 3])
-        v4, v5, v6, v7 = np.float64(x[t, lo + 4]), np.float64(x[t, lo + 5]), np.float64(x[t, lo + 6]), np.float64(x[t, lo + 7])
-        r0, r1, r2, r3, r4, r5, r6, r7 = v0 * v0, v1 * v1, v2 * v2, v3 * v3, v4 * v4, v5 * v5, v6 * v6, v7 * v7
-        i = lo + 8
-        while i < m:
-            v0, v1, v2, v3 = np.float64(x[t, i]), np.float64(x[t, i + 1]), np.float64(x[t, i + 2]), np.float64(x[t, i + 3])
-            v4, v5, v6, v7 = np.float64(x[t, i + 4]), np.float64(x[t, i + 5]), np.float64(x[t, i + 6]), np.float64(x[t, i + 7])
-            r0 += v0 * v0
-            r1 += v1 * v1
-            r2 += v2 * v2
-            r3 += v3 * v3
-            r4 += v4 * v4
-            r5 += v5 * v5
-            r6 += v6 * v6
-            r7 += v7 * v7
-            i += 8
-        acc = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    else:  # strided rows (no caller passes them today): the same vector sum over a contiguous copy
+        acc = squares8(np.ascontiguousarray(x[t:t + 1, lo:m]), 0, 0, m - lo)
     for j in range(m, lo + n):
         v = np.float64(x[t, j])
         acc += v * v
