@@ -278,3 +278,35 @@ def test_a_ridged_hessian_trades_fit_for_other_text():
     assert all(c.options.get("ridge") == calib_stats.RIDGE for c in cs)
     assert cs[2].name == "q4tp" and cs[2].nbytes == len(ridged)
     assert all("ridge" not in c.options for c in candidates(w, None, {}, None, ridge=calib_stats.RIDGE))
+
+
+def test_ffn_down_projections_round_against_a_larger_ridge():
+    """Where a caller rounds against a ridged Hessian (a tight target-size budget), FFN down
+    projections (dense and expert, told by the names sharing the input) take at least
+    ``DOWN_RIDGE`` at 4 bits and more — the same bytes as asking for that ridge — and the ridge
+    asked for below 4 bits (q2tp, vbit at a mean under 4) and for every other matrix; without a
+    ridge (plain --calib, loose budgets) nothing changes."""
+    from cmf.calib import stats as calib_stats
+    from cmf.calib.encoding import DOWN_RIDGE, role_ridge
+
+    w, x = loud_inputs(64, 256, 3)
+    plain_st = stats_of(x)
+    r = calib_stats.RIDGE
+    assert DOWN_RIDGE > r > 0
+    for name in ("model.layers.3.mlp.down_proj.weight", "model.layers.0.mlp.experts.7.down_proj.weight"):
+        down = stats_of(x)
+        down.members = {name}
+        assert role_ridge(down, q.resolve_dtype("q4tp"), {}) == DOWN_RIDGE
+        for dtype, opts in (("q4tp", {}), ("q8_row", {}), ("vbit", {"mean_bits": 5.0})):
+            got = calib.encode(w, dtype, down, ridge=r, **opts)
+            assert got == calib.encode(w, dtype, plain_st, ridge=DOWN_RIDGE, **opts), (name, dtype)
+            assert got != calib.encode(w, dtype, plain_st, ridge=r, **opts), (name, dtype)
+            assert calib.encode(w, dtype, down, **opts) == calib.encode(w, dtype, plain_st, **opts), (name, dtype)
+        for dtype, opts in (("q2tp", {}), ("vbit", {"mean_bits": 3.0})):
+            assert calib.encode(w, dtype, down, ridge=r, **opts) == calib.encode(w, dtype, plain_st, ridge=r, **opts)
+        assert calib.encode(w, "q4tp", down, ridge=3.0) == calib.encode(w, "q4tp", plain_st, ridge=3.0)
+    for other in ("model.layers.3.mlp.up_proj.weight", "model.layers.3.self_attn.o_proj.weight", "w"):
+        st = stats_of(x)
+        st.members = {other, "model.layers.3.mlp.gate_proj.weight"}
+        assert role_ridge(st, q.resolve_dtype("q4tp"), {}) == 0.0
+        assert calib.encode(w, "q4tp", st, ridge=r) == calib.encode(w, "q4tp", plain_st, ridge=r)

@@ -14,12 +14,15 @@ Per dtype (``encode``):
   within each row's levels ``-L .. L+1``, with the same guard.
 - Everything else (floats, q8_2f, q1): unchanged.
 
-Without statistics for a matrix (the calibration never ran it), the plain encoder runs.
+Without statistics for a matrix (the calibration never ran it), the plain encoder runs. A caller
+may ask for GPTQ against a ridged Hessian (``ridge=``: tight target-size budgets); the FFN down
+projections then take a larger one (:data:`DOWN_RIDGE`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -39,11 +42,30 @@ _FEEDBACK = {Dtype.Q4_BLOCK: "q4", Dtype.Q4_TILED: "q4", Dtype.Q4TP: "q4", Dtype
 _MSE = frozenset({Dtype.Q4_BLOCK, Dtype.Q4_TILED, Dtype.Q4TP, Dtype.Q2TP, Dtype.VBIT, Dtype.VBIT_RO})
 _VBIT = (Dtype.VBIT, Dtype.VBIT_RO)
 Q1T_CALIB_KEEP = 0.01
+# The FFN down projections (dense and expert): their input, the gated product of the gate and up
+# projections, is heavy-tailed and shifts between texts, and GPTQ on its bare Hessian fits the
+# calibration text's activations so closely that on other text the result is worse than plain
+# rounding. Where a caller rounds against a ridged Hessian (a tight target-size budget, stats.RIDGE)
+# they take at least H + DOWN_RIDGE·mean(diag H)·I (a larger ridge asked for stands); without one
+# (plain --calib, loose budgets) the bare Hessian measured better on SmolLM2. docs/QUANT.md,
+# "The FFN down projections' ridge".
+DOWN_PROJ = re.compile(r"(\A|\.)down_proj\.weight\Z")
+DOWN_RIDGE = 1.0
 
 
 def calibrated_dtypes() -> frozenset[Dtype]:
     """The dtypes whose encoding uses calibration statistics."""
     return frozenset(_FEEDBACK) | {Dtype.Q1S, Dtype.Q1T}
+
+
+def role_ridge(stats: InputStats, dtype: Dtype, options: dict[str, Any]) -> float:
+    """The least ridge the matrices fed by ``stats`` round with at ``dtype`` when a ridge is asked
+    for: :data:`DOWN_RIDGE` for FFN down projections (told by the names of the matrices that
+    share the input) at 4 bits and more, else 0. Below 4 bits (q2tp, vbit at a mean under 4) the
+    feedback removes more error on other text than its fit to the calibration text costs."""
+    if dtype == Dtype.Q2TP or (dtype in _VBIT and float(options.get("mean_bits", 4.25)) < 4):
+        return 0.0
+    return DOWN_RIDGE if any(DOWN_PROJ.search(name) for name in stats.members) else 0.0
 
 
 def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **options: Any) -> bytes:
@@ -53,6 +75,8 @@ def encode(array: Any, dtype: Dtype | int | str, stats: InputStats | None, **opt
     ridge = float(options.pop("ridge", 0.0))  # GPTQ against H + ridge·mean(diag H)·I (stats.RIDGE)
     if stats is None or w.ndim != 2 or w.shape[1] != stats.cols or dt not in calibrated_dtypes():
         return quant.encode(w, dt, **options)
+    if ridge:  # a caller that rounds against a ridged Hessian (a tight budget): the down projections' floor
+        ridge = max(ridge, role_ridge(stats, dt, options))
     imp = stats.importance()
     if dt in (Dtype.Q1S, Dtype.Q1T):
         options.setdefault("act_rms", np.sqrt(imp))

@@ -10,7 +10,8 @@ weight error, without ``--calib``). Starting from the cheapest candidate everywh
 with the most loss removed per byte is taken while the file still fits (greedy knapsack); what
 the policy fixes (norms, precision-critical tensors; the token table unless the calibration
 measured its rungs, then an item of its own scored by their KL) is counted first. A tight
-budget (its floor at q4tp or lower) re-encodes the ladder against a ridged Hessian, may take the
+budget (its floor at q4tp or lower) re-encodes the ladder against a ridged Hessian (the FFN down
+projections a larger ridge: ``calib.encoding.DOWN_RIDGE``), may take the
 table below 8 bits and has no floor (:func:`_tight`). The choices are ordinary dtypes: every
 reader decodes the file.
 """
