@@ -22,8 +22,8 @@ PENDING = 8  # distinct inputs held before the oldest is folded in (callers of o
 # The ridge a tight target-size budget rounds and scores with: H + RIDGE·mean(diag H)·I. GPTQ on
 # the bare Hessian (1% damping) fits the calibration text's activations; where most matrices are
 # at 4 bits or below, 0.3 measured better on other text on both real models, and up to 0.7% worse
-# where they are not (docs/QUANT.md, "The ridge"): plain --calib and loose budgets keep the bare one
-# (except the FFN down projections at 4 bits and more: ``encoding.DOWN_RIDGE``).
+# where they are not (docs/QUANT.md, "The ridge"): plain --calib and loose budgets keep the bare one.
+# A tight budget's FFN down projections take ``encoding.DOWN_RIDGE`` instead (at 4 bits and more).
 RIDGE = 0.3
 
 
