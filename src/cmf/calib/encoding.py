@@ -32,6 +32,7 @@ from ..format.constants import GROUP, Dtype
 from ..quant.base import as_bytes_array
 from ..quant.float import f16_bits_to_f32
 from ..quant.q4 import pack_nibbles
+from ..quant.vbit import DEFAULT_MEAN_BITS
 from . import feedback
 from .stats import InputStats
 
@@ -63,7 +64,7 @@ def role_ridge(stats: InputStats, dtype: Dtype, options: dict[str, Any]) -> floa
     for: :data:`DOWN_RIDGE` for FFN down projections (told by the names of the matrices that
     share the input) at 4 bits and more, else 0. Below 4 bits (q2tp, vbit at a mean under 4) the
     feedback removes more error on other text than its fit to the calibration text costs."""
-    if dtype == Dtype.Q2TP or (dtype in _VBIT and float(options.get("mean_bits", 4.25)) < 4):
+    if dtype == Dtype.Q2TP or (dtype in _VBIT and float(options.get("mean_bits", DEFAULT_MEAN_BITS)) < 4):
         return 0.0
     return DOWN_RIDGE if any(DOWN_PROJ.search(name) for name in stats.members) else 0.0
 

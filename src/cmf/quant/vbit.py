@@ -33,6 +33,7 @@ from .base import (Buffer, Codec, as_bytes_array, as_f32, check_shape, f16_at, g
                    row_block, row_chunks, seq_sum)
 from .float import f16_scale, f32_to_f16_bits
 
+DEFAULT_MEAN_BITS = 4.25  # the mean row width when none is given (the converter's --mean-bits default too)
 _BISECT_STEPS = 40
 _BIAS_CLIP = 2.5
 # mse scale grid: s = absmax / (L + d) (d = 0 is the reference scale), each point also refitted by
@@ -72,13 +73,13 @@ def _raw_bits(a: np.ndarray, mb: np.float32) -> np.ndarray:
     return mb + (a - np.float32(amean))
 
 
-def row_widths(w: np.ndarray, mean_bits: float = 4.25, bias: float = 0.0) -> np.ndarray:
+def row_widths(w: np.ndarray, mean_bits: float = DEFAULT_MEAN_BITS, bias: float = 0.0) -> np.ndarray:
     """Per-row widths of a 2-D matrix by water-filling toward ``mean_bits`` (+ a family bias)."""
     raw = _raw_bits(row_log_amplitude(w), mean_bits_value(mean_bits)) + np.float32(bias)
     return snap_widths(raw)
 
 
-def family_biases(arrays: Sequence[np.ndarray], mean_bits: float = 4.25,
+def family_biases(arrays: Sequence[np.ndarray], mean_bits: float = DEFAULT_MEAN_BITS,
                   route_counts: Sequence[float] | None = None) -> list[float]:
     """Per-expert biases for a MoE family (all experts of one layer × projection) sharing one budget.
 
@@ -185,7 +186,7 @@ class VbitCodec(Codec):
     id = Dtype.VBIT
     row_offsets = False
 
-    def encode(self, array: np.ndarray, mean_bits: float = 4.25, bias: float = 0.0,
+    def encode(self, array: np.ndarray, mean_bits: float = DEFAULT_MEAN_BITS, bias: float = 0.0,
                importance: np.ndarray | None = None, encoder: str | None = None) -> bytes:
         """Encode a 2-D matrix (``in % 32 == 0``) at a mean budget of ``mean_bits`` (clamped 3..8).
 
@@ -286,7 +287,7 @@ class VbitRoCodec(VbitCodec):
     row_offsets = True
 
 
-def encode_family(arrays: Sequence[np.ndarray], dtype: str | Dtype = Dtype.VBIT_RO, mean_bits: float = 4.25,
+def encode_family(arrays: Sequence[np.ndarray], dtype: str | Dtype = Dtype.VBIT_RO, mean_bits: float = DEFAULT_MEAN_BITS,
                   route_counts: Sequence[float] | None = None) -> list[bytes]:
     """Encode all experts of one MoE family (layer × projection) under one shared budget."""
     d = resolve_dtype(dtype)
