@@ -124,6 +124,36 @@ def test_vbit_mse_scales_cut_error_at_the_same_widths(mean_bits: float, seed: in
                                                                  encoder="reference")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vbit_narrow_rows_give_the_extra_level_to_the_dominant_sign(monkeypatch, seed: int) -> None:
+    # levels -L .. L+1: rows of at most SIGNED_WIDTH bits may store a negative scale, so a group
+    # whose largest-magnitude weight is negative gets the extra level on its side; wider rows
+    # and every other group keep the positive-only search's scales
+    from cmf.quant import vbit
+
+    w = outliers(48, 512, seed)
+    signed, widest = q.encode(w, "vbit", mean_bits=3.5), vbit.SIGNED_WIDTH
+    monkeypatch.setattr(vbit, "SIGNED_WIDTH", 0)
+    positive = q.encode(w, "vbit", mean_bits=3.5)
+    assert signed[:48] == positive[:48] and len(signed) == len(positive)  # same widths, same size
+    widths = np.frombuffer(signed[:48], np.uint8)
+    assert set(widths.tolist()) >= {3, 4, 5}
+    s_signed, s_positive = (np.frombuffer(d[48:48 + 2 * 48 * 16], "<f2").astype(np.float32).reshape(48, 16)
+                            for d in (signed, positive))
+    g = w.reshape(48, 16, GROUP)
+    dominant_negative = g.min(axis=2) < -g.max(axis=2)
+    narrow = (widths <= widest)[:, None]
+    assert (s_positive >= 0).all()
+    assert (s_signed < 0).any() and not (s_signed < 0)[~(dominant_negative & narrow)].any()
+    assert (s_signed == s_positive)[~narrow[:, 0]].all()
+    # the decoded values are (u - L)·s with the sign, and never worse in the objective it minimises
+    m = _magnitude_weights(w)
+    err = [(np.square(q.decode(d, "vbit", w.shape).astype(np.float64) - w) * m).reshape(48, 16, GROUP).sum(axis=2)
+           for d in (signed, positive)]
+    assert (err[0] <= err[1] * (1 + 1e-6)).all()
+    assert err[0][narrow[:, 0]].sum() < 0.9 * err[1][narrow[:, 0]].sum()
+
+
 def test_mse_q4tp_beats_reference_q4t_at_a_smaller_size() -> None:
     w = outliers(64, 512, 3)
     assert _sse("q4tp", w) < _sse("q4_tiled", w, encoder="reference")

@@ -39,6 +39,11 @@ _BIAS_CLIP = 2.5
 # mse scale grid: s = absmax / (L + d) (d = 0 is the reference scale), each point also refitted by
 # least squares; on SmolLM2's matrices at 5 bits this halves the output error of absmax scales.
 _VBIT_OFFSETS = np.linspace(-0.5, 1.5, 9).astype(np.float32)
+# The widest rows whose groups also try negative scales. The extra level cuts the weight error
+# most where levels are few (a seeded Gaussian matrix: -19% at a mean of 3 bits, -12% at 4.25,
+# -7% at 5, -5% at 6); at 5 and 6 bits the held-out perplexity moved both ways by more than that
+# (docs/QUANT.md, "Signed vbit scales"), so wider rows keep positive scales.
+SIGNED_WIDTH = 4
 
 
 def mean_bits_value(mean_bits: float) -> np.float32:
@@ -137,14 +142,21 @@ def _search_scales(blk: np.ndarray, lvl: np.ndarray, importance: np.ndarray | No
     absmax = np.abs(blk).max(axis=2, initial=np.float32(0))
     lv = lvl.astype(np.float32)[:, None]
     lo, hi = -lv[..., None], lv[..., None] + np.float32(1)
+    # The levels -L .. L+1 have one more step on the side of the scale's sign: in rows of at most
+    # SIGNED_WIDTH bits, a group whose largest-magnitude weight is negative also tries negative
+    # scales, which give that side the extra level (w = (u - L)·s holds for either sign).
+    dominant_negative = blk.min(axis=2, initial=np.float32(0)) < -blk.max(axis=2, initial=np.float32(0))
+    narrow = (2 * (lvl + 1) <= 2.0 ** SIGNED_WIDTH)[:, None]  # width b <=> L = 2^(b-1) - 1
+    negative = np.where(dominant_negative & narrow, np.float32(-1), np.float32(1))
+    signs = (np.float32(1), negative) if (negative < 0).any() else (np.float32(1),)
     best = best_err = None
-    for d in _VBIT_OFFSETS:
-        grid = absmax / (lv + d)
-        q = np.clip(np.rint(blk / np.maximum(grid, np.float32(1e-30))[..., None]), lo, hi)
+    for sign, d in [(sign, d) for sign in signs for d in _VBIT_OFFSETS]:
+        grid = sign * absmax / (lv + d)
+        q = np.clip(np.rint(blk / np.where(grid == 0, np.float32(1e-30), grid)[..., None]), lo, hi)
         den = (wt * q * q).sum(axis=2)
         refit = np.where(den > 0, (wt * blk * q).sum(axis=2) / np.where(den > 0, den, 1), grid)
         for cand in (grid, refit):
-            s = f16_scale(np.maximum(cand, np.float32(0)))
+            s = sign * f16_scale(np.maximum(sign * cand, np.float32(0)))
             q = np.clip(np.rint(blk / s[..., None]), lo, hi)
             err = (wt * (q * s[..., None] - blk) ** 2).sum(axis=2)
             if best_err is None:
