@@ -14,8 +14,9 @@ MoE families share one budget through ``family_biases`` (the Python writer's joi
 Scales: the ``reference`` encoder takes ``absmax/L`` per group; the ``mse`` encoder (the default,
 as for the 4-bit family) picks per group the scale that minimises the weighted squared error among
 a grid around it and each grid point's least-squares refit, with the error weights of
-:mod:`.mse` (``importance`` per input feature × (0.5·rms(group) + |w|)). Widths are the same for
-both. Figures: docs/QUANT.md.
+:mod:`.mse` (``importance`` per input feature × (0.5·rms(group) + |w|)); in rows of at most
+:data:`SIGNED_WIDTH` bits the scale may be negative, giving the extra level of ``-L .. L+1`` to
+the side of the group's largest weight. Widths are the same for both. Figures: docs/QUANT.md.
 """
 
 from __future__ import annotations
