@@ -153,7 +153,7 @@ def _search_scales(blk: np.ndarray, lvl: np.ndarray, importance: np.ndarray | No
     best = best_err = None
     for sign, d in [(sign, d) for sign in signs for d in _VBIT_OFFSETS]:
         grid = sign * absmax / (lv + d)
-        q = np.clip(np.rint(blk / np.where(grid == 0, np.float32(1e-30), grid)[..., None]), lo, hi)
+        q = np.clip(np.rint(blk / (sign * np.maximum(sign * grid, np.float32(1e-30)))[..., None]), lo, hi)
         den = (wt * q * q).sum(axis=2)
         refit = np.where(den > 0, (wt * blk * q).sum(axis=2) / np.where(den > 0, den, 1), grid)
         for cand in (grid, refit):
