@@ -140,33 +140,45 @@ def _search_scales(blk: np.ndarray, lvl: np.ndarray, importance: np.ndarray | No
     wt = np.abs(blk) + mse.Q4_MAGNITUDE * np.sqrt((blk * blk).mean(axis=2, keepdims=True))
     if importance is not None:
         wt = wt * importance.reshape(1, gpr, GROUP)
-    absmax = np.abs(blk).max(axis=2, initial=np.float32(0))
-    lv = lvl.astype(np.float32)[:, None]
-    lo, hi = -lv[..., None], lv[..., None] + np.float32(1)
+    groups, weights = blk.reshape(-1, GROUP), wt.reshape(-1, GROUP)
+    absmax = np.abs(groups).max(axis=1, initial=np.float32(0))
+    lv = np.repeat(lvl.astype(np.float32), gpr)
+    best, best_err = _grid_search(groups, weights, absmax, lv, np.float32(1))
     # The levels -L .. L+1 have one more step on the side of the scale's sign: in rows of at most
     # SIGNED_WIDTH bits, a group whose largest-magnitude weight is negative also tries negative
     # scales, which give that side the extra level (w = (u - L)·s holds for either sign).
-    dominant_negative = blk.min(axis=2, initial=np.float32(0)) < -blk.max(axis=2, initial=np.float32(0))
-    narrow = (2 * (lvl + 1) <= 2.0 ** SIGNED_WIDTH)[:, None]  # width b <=> L = 2^(b-1) - 1
-    negative = np.where(dominant_negative & narrow, np.float32(-1), np.float32(1))
-    signs = (np.float32(1), negative) if (negative < 0).any() else (np.float32(1),)
+    dominant_negative = groups.min(axis=1, initial=np.float32(0)) < -groups.max(axis=1, initial=np.float32(0))
+    narrow = 2 * (lv + 1) <= 2.0 ** SIGNED_WIDTH  # width b <=> L = 2^(b-1) - 1
+    flip = np.flatnonzero(dominant_negative & narrow)
+    if flip.size:
+        s, err = _grid_search(groups[flip], weights[flip], absmax[flip], lv[flip], np.float32(-1))
+        best[flip] = np.where(err < best_err[flip], s, best[flip])
+    return best.reshape(k, gpr).astype(np.float32)
+
+
+def _grid_search(groups: np.ndarray, wt: np.ndarray, absmax: np.ndarray, lv: np.ndarray,
+                 sign: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, weighted error) per (n, 32) group: the best of ``sign·absmax/(L + d)`` over
+    :data:`_VBIT_OFFSETS` and each point's least-squares refit, levels ``-L .. L+1``."""
+    lo, hi = -lv[:, None], lv[:, None] + np.float32(1)
     best = best_err = None
-    for sign, d in [(sign, d) for sign in signs for d in _VBIT_OFFSETS]:
-        grid = sign * absmax / (lv + d)
-        q = np.clip(np.rint(blk / (sign * np.maximum(sign * grid, np.float32(1e-30)))[..., None]), lo, hi)
-        den = (wt * q * q).sum(axis=2)
-        refit = np.where(den > 0, (wt * blk * q).sum(axis=2) / np.where(den > 0, den, 1), grid)
+    for d in _VBIT_OFFSETS:
+        mag = absmax / (lv + d)
+        grid = sign * mag
+        q = np.clip(np.rint(groups / (sign * np.maximum(mag, np.float32(1e-30)))[:, None]), lo, hi)
+        den = (wt * q * q).sum(axis=1)
+        refit = np.where(den > 0, (wt * groups * q).sum(axis=1) / np.where(den > 0, den, 1), grid)
         for cand in (grid, refit):
             s = sign * f16_scale(np.maximum(sign * cand, np.float32(0)))
-            q = np.clip(np.rint(blk / s[..., None]), lo, hi)
-            err = (wt * (q * s[..., None] - blk) ** 2).sum(axis=2)
+            q = np.clip(np.rint(groups / s[:, None]), lo, hi)
+            err = (wt * (q * s[:, None] - groups) ** 2).sum(axis=1)
             if best_err is None:
                 best, best_err = s, err
             else:
                 better = err < best_err
                 best = np.where(better, s, best)
                 best_err = np.where(better, err, best_err)
-    return best.astype(np.float32)
+    return best, best_err
 
 
 def _row_bytes(widths: np.ndarray, cols: int) -> np.ndarray:
