@@ -66,17 +66,22 @@ def test_budget_spends_the_padding_the_exact_layout_does_not_need():
     from cmf.convert.budget import worst_padding
     from cmf.format.spool import data_span
 
-    # two 16 KiB payloads after a small one: the worst case reserves 4095 + 4095 + 63 bytes of padding
+    # two 16 KiB payloads after a small one, packed (every payload on 64 bytes): the worst case
+    # reserves 63 bytes a payload, the exact layout pads only the 100-byte norm (28 bytes)
     cands = {n: [Candidate("q2tp", 16384, 1.0), Candidate("q4tp", 20480, 0.1 if n == "a" else 0.2)] for n in "ab"}
     layout = [("norm", 100), ("a", None), ("b", None)]
     reserved = worst_padding([100, 16384, 16384])
-    budget = 36000  # payloads alone: 32868 at q2tp, one upgrade is 4096 more
+    assert reserved == 3 * 63
+    budget = 36900  # payloads alone: 32868 at q2tp, one upgrade is 4096 more
     items = [(n, None, {}) for n in "ab"]
     assert plan_budget(items, 100, budget, cache=dict(cands)).choice == {"a": "q2tp", "b": "q2tp"}
     p = plan_budget(items, 100, budget, cache=dict(cands), layout=layout, reserved=reserved)
-    # the exact layout (a at 4096, b after it) leaves room for a's upgrade, not for both
+    # the exact layout (a at 128, b right after it) leaves room for a's upgrade, not for both
     assert p.choice == {"a": "q4tp", "b": "q2tp"}
-    assert data_span([100, 20480, 16384]) <= budget + reserved < data_span([100, 20480, 20480])
+    assert data_span([100, 20480, 16384], packed=True) <= budget + reserved < data_span([100, 20480, 20480], packed=True)
+    # not packed (the default writer's layout) the large payloads start on a page
+    assert data_span([100, 20480, 16384]) == 4096 + 20480 + 16384
+    assert worst_padding([100, 16384], packed=False) == 63 + 4095
 
 
 def test_no_matrix_goes_below_the_budgets_uniform_level(monkeypatch):
@@ -149,6 +154,14 @@ def _payload_bytes(path: Path) -> tuple[int, dict[str, int]]:
         return sum(t.nbytes for t in f.tensors()), counts
 
 
+def _gaps(path: Path) -> list[int]:
+    """The zero padding before each payload after the first, in file order."""
+    with cmf_open(path) as f:
+        ts = sorted(f.tensors(), key=lambda t: t.offset)
+        assert all(t.offset % 64 == 0 for t in ts)
+        return [b.offset - a.offset - a.nbytes for a, b in zip(ts, ts[1:])]
+
+
 def test_requant_to_a_target_size_fits_and_mixes_the_ladder(base_f32, tmp_path):
     from cmf.tools.requant import requant
 
@@ -165,6 +178,8 @@ def test_requant_to_a_target_size_fits_and_mixes_the_ladder(base_f32, tmp_path):
     assert target - out.stat().st_size < 0.02 * target
     assert counts.get("q8_row", 0) + counts.get("vbit", 0) > 1  # rungs above 4 bits
     assert {e["reason"] for e in rep["entries"]} >= {"budget"}
+    # packed: no payload waits for a page (the plain rewrite puts its large ones on 4096)
+    assert max(_gaps(out)) < 64 and max(_gaps(q4)) >= 64
     with cmf_open(out) as f:
         assert f.verify() == []
         assert f.header.to_dict()["provenance"]["options"]["budget"]["bytes"] <= target
@@ -206,6 +221,7 @@ def test_convert_to_a_target_size_fits_the_whole_file(base_f32, tmp_path):
     assert q4.stat().st_size < out.stat().st_size <= target
     assert target - out.stat().st_size < 0.02 * target
     assert counts.get("q8_row", 0) + counts.get("vbit", 0) > 1  # rungs above 4 bits
+    assert max(_gaps(out)) < 64 and max(_gaps(q4)) >= 64  # packed, unlike the plain conversion
     with cmf_open(out) as f:
         assert f.verify() == []
         budget = f.header.to_dict()["provenance"]["options"]["budget"]

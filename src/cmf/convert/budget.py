@@ -443,11 +443,10 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     return plan, {n: Choice(c.dtype, dict(c.options), "budget") for n, c in plan.picked.items()}
 
 
-def _plan_overhead(plan, movable: set[str]) -> tuple[int, int]:  # noqa: ANN001 - a convert.hf.Plan
+def _plan_overhead(plan) -> tuple[int, int]:  # noqa: ANN001 - a convert.hf.Plan
     """Bytes of the file ``plan`` writes that are not tensor payloads, at most: (envelope, header
     with room for the budget summary it gains, directory and vocab exactly as the writer lays
-    them out; every payload's worst-case alignment padding: 4096 for payloads that may reach
-    16 KiB, 64 below, spec §4)."""
+    them out; every payload's worst-case alignment padding, packed: 63 bytes each)."""
     from ..format.constants import DATA_ALIGN
     from ..format.directory import encode_directory
     from ..format.envelope import ENVELOPE_SIZE
@@ -459,7 +458,7 @@ def _plan_overhead(plan, movable: set[str]) -> tuple[int, int]:  # noqa: ANN001 
                                  [0] * len(items), [0] * len(items), [0] * len(items)))
     head = -(-head // DATA_ALIGN) * DATA_ALIGN
     vocab = len(plan.tokenizer.tokenizer_json or b"")
-    return head + vocab, worst_padding(16384 if i.name in movable else i.out_bytes for i in items)
+    return head + vocab, worst_padding(i.out_bytes for i in items)
 
 
 def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN001 - a convert.hf.Plan
@@ -478,7 +477,8 @@ def apply_to_plan(plan, target_mb: float | None, bpw: float | None,  # noqa: ANN
              if i.choice.reason in ("quant", "attn-quant") and movable(i.name, tuple(i.shape), i.choice.dtype)
              or table_item(i.name, tuple(i.shape), i.choice.dtype, plan.calibration)]
     names = {i.name for i in moved}
-    head, padding = _plan_overhead(plan, names)
+    plan.packed = True  # the writer puts every payload on 64 bytes (budget_padding)
+    head, padding = _plan_overhead(plan)
     budget = target_bytes(target_mb, bpw, total) - head - padding
     items = [(i.name, (lambda i=i: np.asarray(plan.checkpoint.read(i.source, i.cut), np.float32)), i.choice.options)
              for i in moved]

@@ -140,7 +140,7 @@ def execute(plan: Plan, out: str | os.PathLike[str], progress: Callable[[int], N
         # The tensor list is known up front: the writer reserves the head and writes each payload
         # once, at its final offset (no spool copy).
         with CmfWriter(out, plan.header, max_shard_bytes=plan.shard_max_bytes,
-                       expected_names=[i.name for i in plan.items]) as w, \
+                       expected_names=[i.name for i in plan.items], packed=plan.packed) as w, \
                 ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="cmf-convert") as pool:
             pending: deque[tuple[PlanItem, Future[tuple[Any, Dtype]]]] = deque()
             in_flight = 0

@@ -45,6 +45,7 @@ class Plan:
     dropped: list[str]
     route_counts: dict[int, list[float]] | None = None
     shard_max_bytes: int | None = None
+    packed: bool = False  # every payload on 64 bytes, none on a page (a size budget's file: budget_padding)
     calibration: Any = None  # a cmf.calib.Calibration: activation-aware encoding (convert/calibrate.py)
 
     @property

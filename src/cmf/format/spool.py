@@ -19,17 +19,19 @@ def align_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def tensor_alignment(nbytes: int) -> int:
-    """Alignment of a payload relative to data_off: 4096 for ≥ 16 KiB, else 64."""
-    return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES else TENSOR_ALIGN
+def tensor_alignment(nbytes: int, packed: bool = False) -> int:
+    """Alignment of a payload relative to data_off: 4096 for ≥ 16 KiB (the reference writers'
+    page alignment), else 64 — or 64 for every payload when ``packed`` (spec §4's own rule, which
+    a file written to a size budget uses: the pages' padding goes to weights instead)."""
+    return LARGE_TENSOR_ALIGN if nbytes >= LARGE_TENSOR_BYTES and not packed else TENSOR_ALIGN
 
 
-def data_span(sizes: Iterable[int]) -> int:
+def data_span(sizes: Iterable[int], packed: bool = False) -> int:
     """Bytes of a data section holding payloads of these sizes in this order (each placed at its
     :func:`tensor_alignment` relative to data_off, as the writer places them)."""
     off = 0
     for n in sizes:
-        off = align_up(off, tensor_alignment(n)) + n
+        off = align_up(off, tensor_alignment(n, packed)) + n
     return off
 
 
@@ -78,16 +80,17 @@ def copy_range(src_fd: int, dst_fd: int, length: int, start: int = 0) -> None:
 class Spool:
     """A temporary data blob: payloads appended at their aligned relative offsets."""
 
-    def __init__(self, folder: Path, stem: str, base: int = 0) -> None:
+    def __init__(self, folder: Path, stem: str, base: int = 0, packed: bool = False) -> None:
         fd, name = tempfile.mkstemp(prefix=f".{stem}.", suffix=".spool" if not base else ".tmp", dir=folder)
         self.fd, self.path = fd, Path(name)
         self.base = base  # direct mode: payloads already sit at their final offset (base = data_off)
         self.size = 0
         self.entries: list[Entry] = []
         self.estimate = 0
+        self.packed = packed  # every payload on 64 bytes (tensor_alignment)
 
     def add(self, name: str, dtype: Dtype, shape: tuple[int, ...], view: memoryview, h: int) -> Entry:
-        off = align_up(self.size, tensor_alignment(len(view)))
+        off = align_up(self.size, tensor_alignment(len(view), self.packed))
         if off > self.size:
             os.pwrite(self.fd, bytes(off - self.size), self.base + self.size)
         written = 0

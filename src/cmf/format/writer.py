@@ -168,7 +168,7 @@ class CmfWriter:
 
     def __init__(self, path: str | os.PathLike, header: Mapping[str, Any], *,
                  max_shard_bytes: int | None = None, sparse_index: bool = False,
-                 expected_names: Iterable[str] | None = None) -> None:
+                 expected_names: Iterable[str] | None = None, packed: bool = False) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise WriterError(f"{self.path.parent}: output folder does not exist")
@@ -177,6 +177,7 @@ class CmfWriter:
             raise WriterError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.header: dict[str, Any] = copy.deepcopy(dict(header))
         self.max_shard_bytes = max_shard_bytes
+        self.packed = packed  # every payload on the spec's 64 bytes, none on a page (spool.tensor_alignment)
         self.sparse_index = sparse_index
         self._names: set[str] = set()
         self._spools: list[Spool] = []
@@ -241,11 +242,11 @@ class CmfWriter:
 
     def _spool_for(self, nbytes: int) -> Spool:
         if not self._spools:
-            self._spools.append(Spool(self.path.parent, self.path.name, self._reserve))
+            self._spools.append(Spool(self.path.parent, self.path.name, self._reserve, self.packed))
         cur = self._spools[-1]
         if (self.max_shard_bytes is not None and cur.entries
-                and align_up(cur.size, tensor_alignment(nbytes)) + nbytes > self.max_shard_bytes):
-            cur = Spool(self.path.parent, self.path.name)
+                and align_up(cur.size, tensor_alignment(nbytes, self.packed)) + nbytes > self.max_shard_bytes):
+            cur = Spool(self.path.parent, self.path.name, packed=self.packed)
             self._spools.append(cur)
         return cur
 
@@ -298,7 +299,7 @@ class CmfWriter:
         """Lay out and atomically write the file(s); returns the paths written."""
         self._require_open()
         try:
-            spools = self._spools or [Spool(self.path.parent, self.path.name, self._reserve)]
+            spools = self._spools or [Spool(self.path.parent, self.path.name, self._reserve, self.packed)]
             self._spools = spools
             sections = self._sections()
             count = len(spools)

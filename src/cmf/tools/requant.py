@@ -169,8 +169,9 @@ def _file_overhead(f) -> tuple[int, int]:  # noqa: ANN001 - a CmfFile
     """Bytes of a rewrite of ``f`` that are not tensor payloads, at most: (its own envelope,
     header, directory, masks and vocab — everything but the data section — plus one 4 KiB
     alignment step for the provenance the header gains; the worst-case alignment padding of every
-    payload: 4096 for those of 16 KiB and more, 64 below, spec §4). --target-mb / --bpw then
-    bound the whole file; the budget spends the padding the exact layout does not need."""
+    payload, packed: 63 bytes each). --target-mb / --bpw then bound the whole file, which is
+    written packed (every payload on 64 bytes: budget_padding); the budget spends the padding
+    the exact layout does not need."""
     from ..convert.budget import worst_padding
     from ..format.constants import DATA_ALIGN
 
@@ -219,7 +220,7 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
                                        cache=budget_cache, reserved=budget[1])
             if isinstance(header.get("provenance"), dict):
                 header["provenance"].setdefault("options", {})["budget"] = bplan.summary()
-        with CmfWriter(dst, header) as w:
+        with CmfWriter(dst, header, packed=budget is not None) as w:
             for t in f.tensors():
                 view = _checked_view(src, t)
                 choice, reason = target_of(policy, t, include, exclude)
