@@ -153,6 +153,11 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--plot", metavar="PNG")
     args = ap.parse_args()
+    if args.plot:
+        try:  # before the run, not after its hour: the plot is drawn last
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib)")
 
     import cmf
     from cmf import calib
