@@ -2,7 +2,8 @@
 
 Payloads go to a spool file in the target folder as they are added, so RAM stays bounded by one
 tensor. ``finish()`` lays the file out exactly: envelope at 0, header JSON at 128, directory right
-after it, data at the next multiple of 4096 (tensors 64-aligned, payloads ≥ 16 KiB on 4096),
+after it, data at the next multiple of 4096 (tensors 64-aligned, payloads ≥ 16 KiB on 4096 unless
+``packed``),
 then masks, vocab and sparse index back to back. The file is written under a temporary name in the
 same folder, fsynced and renamed into place: a failure never leaves a partial file under the
 target name and never touches an existing file there. The output gets the mode a plain ``open``
@@ -164,6 +165,9 @@ class CmfWriter:
     ``max_shard_bytes`` splits tensors greedily in the order added (a new shard starts when the
     next payload would push a non-empty shard past the limit); shard 1 alone carries masks, vocab,
     sparse index, ``tokenizer_config`` and ``skills``.
+
+    ``packed``: every payload on the spec's 64 bytes (§4), none on a page — for files written to a
+    size budget, where the pages' padding is bytes the weights could have had.
     """
 
     def __init__(self, path: str | os.PathLike, header: Mapping[str, Any], *,
