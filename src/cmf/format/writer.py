@@ -244,13 +244,17 @@ class CmfWriter:
             payload = codec.encode(arr, dtype if isinstance(dtype, str) else dt, **options)
         return self.add(name, dt, arr.shape, payload)
 
+    def _new_spool(self, base: int = 0) -> Spool:
+        """A spool beside the target, laid out as this writer places payloads."""
+        return Spool(self.path.parent, self.path.name, base, self.packed)
+
     def _spool_for(self, nbytes: int) -> Spool:
         if not self._spools:
-            self._spools.append(Spool(self.path.parent, self.path.name, self._reserve, self.packed))
+            self._spools.append(self._new_spool(self._reserve))
         cur = self._spools[-1]
         if (self.max_shard_bytes is not None and cur.entries
                 and align_up(cur.size, tensor_alignment(nbytes, self.packed)) + nbytes > self.max_shard_bytes):
-            cur = Spool(self.path.parent, self.path.name, packed=self.packed)
+            cur = self._new_spool()
             self._spools.append(cur)
         return cur
 
@@ -303,7 +307,7 @@ class CmfWriter:
         """Lay out and atomically write the file(s); returns the paths written."""
         self._require_open()
         try:
-            spools = self._spools or [Spool(self.path.parent, self.path.name, self._reserve, self.packed)]
+            spools = self._spools or [self._new_spool(self._reserve)]
             self._spools = spools
             sections = self._sections()
             count = len(spools)
