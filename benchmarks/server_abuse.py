@@ -299,8 +299,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 def warm_up(host: str, port: int) -> None:
     """One chat, then four at once: a cold numba cache compiles the one-sequence and the batched
-    decode kernels here, not during the measured seconds (where compiling stalled the probes:
-    23 health answers in 25 s against 50 with a warm cache)."""
+    decode kernels here, not during the measured seconds, where compiling stalls the health
+    probes (the slow test's floor of answers failed on a cold cache)."""
     def chat() -> None:
         conn = http.client.HTTPConnection(host, port, timeout=300)
         conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers={"Content-Type": "application/json"})
