@@ -251,6 +251,19 @@ def disconnect_bursts(host: str, port: int, stop_at: float, t: Tally) -> None:
         time.sleep(2.0)
 
 
+def request(host: str, port: int, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    """One well-formed request on a fresh connection (GET without a body, else a JSON POST):
+    (status, response body)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET" if body is None else "POST", path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
 def probes(host: str, port: int, stop_at: float, t: Tally) -> None:
     last_chat = 0.0
     while time.monotonic() < stop_at:
@@ -260,14 +273,7 @@ def probes(host: str, port: int, stop_at: float, t: Tally) -> None:
             kind = "health" if body is None else "chat"
             t0 = time.perf_counter()
             try:
-                conn = http.client.HTTPConnection(host, port, timeout=60)
-                conn.request("GET" if body is None else "POST", path,
-                             body=None if body is None else json.dumps(body),
-                             headers={"Content-Type": "application/json"})
-                r = conn.getresponse()
-                r.read()
-                conn.close()
-                ok = r.status == 200
+                ok = request(host, port, path, body)[0] == 200
             except OSError:
                 ok = False
             t.add(f"{kind}_{'ok' if ok else 'failed'}")
@@ -302,10 +308,7 @@ def warm_up(host: str, port: int) -> None:
     decode kernels here, not during the measured seconds, where compiling stalls the health
     probes (the slow test's floor of answers failed on a cold cache)."""
     def chat() -> None:
-        conn = http.client.HTTPConnection(host, port, timeout=300)
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers={"Content-Type": "application/json"})
-        conn.getresponse().read()
-        conn.close()
+        request(host, port, "/v1/chat/completions", CHAT, timeout=300)
 
     chat()
     together = [threading.Thread(target=chat, daemon=True) for _ in range(4)]
@@ -334,11 +337,8 @@ def run(model: Path, seconds: float, idle: int, slow: int) -> dict:
         for j in jobs:
             j.join(seconds + 90)
         alive = proc.poll() is None
-        conn = http.client.HTTPConnection(host, port, timeout=30)
-        conn.request("GET", "/health")
-        r = conn.getresponse()
-        health_after = json.loads(r.read()) if r.status == 200 else {}
-        conn.close()
+        status, data = request(host, port, "/health", timeout=30)
+        health_after = json.loads(data) if status == 200 else {}
     finally:
         stop(proc)
     c, s = t.counts, t.samples
