@@ -246,3 +246,58 @@ def test_group_scales_without_mask_registers_equal_the_masked_form(mode: int) ->
             s = np.full(64, 7.0, np.float32)
             _scales_kernel(regs)(sc, planes, g, t0, pw, s, mode)
             np.testing.assert_array_equal(s.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_group_scales_fma_form_equals_the_masked_form(mode: int) -> None:
+    """The table form's fma variant (modes 3 and 4: ``pw`` holds power − 1, each plane a single
+    fma(v, d & mask, v)) gives the masked form's bits for every code, on ladders a codec writes
+    (powers ≥ 1, a ratio up to 2^0.5) and on t0 values NaN, ±0 and subnormal."""
+    from cmf.kernels import _jit
+
+    rng = np.random.default_rng(12)
+    groups = 5
+    planes = rng.integers(0, 256, 40 * groups, dtype=np.uint8)
+    planes[40:80] = 255
+    codes = np.arange(64) % 32
+    for p in range(5):
+        planes[120 + 8 * p: 128 + 8 * p] = np.packbits((codes >> p) & 1, bitorder="little")
+    t0 = (rng.random(64) * 1e-2).astype(np.float32)
+    t0[5], t0[6], t0[7], t0[8] = np.nan, -0.0, 0.0, np.float32(1e-42)
+    ratio = np.exp2(rng.random(64) * 0.5).astype(np.float32)
+    ratio[9] = np.float32(1.0)  # a flat ladder: d = 0 where the bit is set
+    pw = np.empty(5 * 64, np.float32)
+    v = ratio.copy()
+    for p in range(5):
+        pw[64 * p: 64 * p + 64] = v
+        v = (v * v).astype(np.float32)
+    d = pw - np.float32(1)
+    assert np.array_equal(pw.astype(np.float64) - 1.0, d.astype(np.float64))  # exact, as the form needs
+    sc = np.zeros(64 * groups, np.uint16)
+    for g in range(groups):
+        want = np.full(64, 7.0, np.float32)
+        _scales_kernel(_jit.MASK_REGS)(sc, planes, g, t0, pw, want, mode)
+        got = np.full(64, 7.0, np.float32)
+        _scales_kernel(False)(sc, planes, g, t0, d, got, mode + 2)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_only_ladders_with_exact_increments_take_the_fma_form() -> None:
+    """``q4._increments_exact`` accepts a codec's ladders and refuses what would change bits in
+    the fma form: a power whose increment rounds (below 1 or ≥ 2^24), NaN, an infinite or
+    overflowing t0 (v + v·0 is NaN where v·1.0 stays infinite)."""
+    from cmf.kernels import q4
+
+    def tile(base: float, ratio: float) -> np.ndarray:
+        lad = np.empty((1, 2, q4.R), np.float32)
+        lad[0, 0], lad[0, 1] = base, ratio
+        lad[0, 1, 3] = 1.0
+        return lad
+
+    assert q4._increments_exact(0, tile(1e-3, 2 ** (1 / 31)))
+    assert q4._increments_exact(0, tile(1e-30, 1.3))
+    assert not q4._increments_exact(0, tile(1e-3, 0.3))  # 0.3 − 1 is not exact in float32
+    assert not q4._increments_exact(0, tile(1e-3, 3.0))  # 3^16 ≥ 2^24: its increment rounds
+    assert not q4._increments_exact(0, tile(np.inf, 1.1))
+    assert not q4._increments_exact(0, tile(np.nan, 1.1))
+    assert not q4._increments_exact(0, tile(1e37, 1.5))  # the top rung overflows

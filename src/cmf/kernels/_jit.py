@@ -159,11 +159,14 @@ MASK_REGS = target_has("avx512f")
 PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
 
 
-def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool) -> None:  # noqa: ANN001
+def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool, fma: bool) -> None:  # noqa: ANN001
     """group_scales' ladder for targets without mask registers (:data:`MASK_REGS`): 8 rows at
-    a time, each plane's byte → lane masks from :data:`PLANE_MASKS`, the factor
-    ((power ^ 1.0) & mask) ^ 1.0 (the power, or exactly 1.0), multiplied in in plane order as
-    the masked form does; ``dead31`` (mode 2) zeroes rows whose five bits are all set."""
+    a time, each plane's byte → lane masks from :data:`PLANE_MASKS`, and in plane order as the
+    masked form does, either ``v·factor`` with the factor ((power ^ 1.0) & mask) ^ 1.0 (the
+    power, or exactly 1.0), or — ``fma``: ``pw`` holds d = power − 1, exact — ``fma(v, d & mask,
+    v)``: one rounding of v + v·d = v·power, or v + v·0 = v, so the same bits with two vector
+    operations a plane instead of four (the caller checks that the tile's values allow it, see
+    ``q4._powers``). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     table = builder.module.globals.get("cmf_plane_masks")  # one copy per module, however many calls
@@ -171,6 +174,7 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool) -> None:  # no
         table = cgutils.global_constant(builder.module, "cmf_plane_masks", ir.Constant(
             ir.ArrayType(vi, 256), [ir.Constant(vi, [int(v) for v in row]) for row in PLANE_MASKS]))
     one = ir.Constant(vi, [0x3F800000] * 8)
+    fma_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v8f32")
 
     def vload(ptr, off):  # noqa: ANN001, ANN202
         return builder.load(builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer()), align=4)
@@ -184,8 +188,11 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool) -> None:  # no
             if dead31:
                 every = m if every is None else builder.and_(every, m)
             power = builder.bitcast(vload(pw, 64 * p + 8 * c), vi)
-            factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
-            v = builder.fmul(v, builder.bitcast(factor, vf))
+            if fma:
+                v = builder.call(fma_fn, [v, builder.bitcast(builder.and_(power, m), vf), v])
+            else:
+                factor = builder.xor(builder.and_(builder.xor(power, one), m), one)
+                v = builder.fmul(v, builder.bitcast(factor, vf))
         if dead31:  # code 31: an exact 0
             v = builder.bitcast(builder.and_(builder.bitcast(v, vi), builder.xor(every, ir.Constant(vi, [-1] * 8))), vf)
         dst = builder.bitcast(cgutils.gep(builder, sp, ir.Constant(i64, 8 * c)), vf.as_pointer())
@@ -205,7 +212,8 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
         i = row i). Each 16-row slice of a plane is
         reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
         merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
-        (all bits set) get an exact 0.
+        (all bits set) get an exact 0. Modes 3 and 4 are 1 and 2 with ``powers`` holding
+        power − 1 (targets without mask registers only; see :func:`_rungs_by_table`).
 
         Without AVX-512's mask registers (:data:`MASK_REGS`) the same products run on 8-row
         slices: a plane's byte is looked up in a table of lane masks (:data:`PLANE_MASKS`), and the
@@ -257,14 +265,24 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
                                 v = builder.select(builder.bitcast(bits, vm), builder.fmul(v, vload(pw, 64 * p + 16 * c)), v)
                             store(c, builder.select(builder.bitcast(every, vm), zeros, v) if dead31 else v)
 
-                    if not mask_regs:
-                        rungs = lambda dead31: _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31)  # noqa: E731
-                    # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
-                    with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 2))) as (dead, live):
-                        with dead:
-                            rungs(True)
-                        with live:
-                            rungs(False)
+                    def live_or_dead(form):  # noqa: ANN001, ANN202
+                        # q2tp's dead groups in their own copy, so q4tp's path carries no test for them
+                        dead_mode = builder.or_(builder.icmp_signed("==", mode, ir.Constant(i64, 2)),
+                                                builder.icmp_signed("==", mode, ir.Constant(i64, 4)))
+                        with builder.if_else(dead_mode) as (dead, live):
+                            with dead:
+                                form(True)
+                            with live:
+                                form(False)
+
+                    if mask_regs:
+                        live_or_dead(rungs)
+                    else:  # modes 3 and 4: the powers arrive as d = power − 1 (q4._powers)
+                        with builder.if_else(builder.icmp_signed(">=", mode, ir.Constant(i64, 3))) as (fma, mul):
+                            with fma:
+                                live_or_dead(lambda dead31: _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31, True))
+                            with mul:
+                                live_or_dead(lambda dead31: _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31, False))
             return context.get_dummy_value()
         return types.void(sc, planes, types.int64, t0, powers, s, types.int64), codegen
 

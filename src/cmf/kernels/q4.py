@@ -36,7 +36,7 @@ from numba import prange
 
 from ..format.constants import GROUP
 from ._ir import DOT_PATH, INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
-from ._jit import PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
+from ._jit import MASK_REGS, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
 from .q4_stored import F16_SCALES, R, WIDTH, ZERO, decode_rows, pack_tile
 from .xprep import fill_x, quantize_x
 
@@ -88,10 +88,57 @@ def _powers(t, lad, t0, pw):  # pragma: no cover - compiled
 
 # group_scales' mode per kind: f16 bits, the ladder, the ladder with code 31 as a dead group
 SCALE_MODE = (0, 1, 2, 0)
+# ``ready[t]``: 0 not packed yet, 1 packed, 2 packed and its ladder takes group_scales' fma form
+PACKED, PACKED_FMA = 1, 2
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no cover - compiled
+def _increments_exact(t, lad):  # pragma: no cover - compiled
+    """Whether tile t's ladder allows group_scales' fma form (targets without mask registers):
+    every power P has d = P − 1 exact in float32 (so v + v·d is v·P before rounding), and no
+    partial product can overflow (an infinite v would turn the fma form's v + v·0 into NaN where
+    v·1.0 stays infinite). True for every ladder a codec writes (P ≥ 1, well inside range); a
+    crafted file's extreme or NaN ladder keeps the multiply form, with the same bits."""
+    t0 = np.empty(R, np.float32)
+    pw = np.empty(5 * R, np.float32)
+    _powers(t, lad, t0, pw)
+    for i in range(R):
+        top = abs(np.float64(t0[i]))
+        for p in range(5):
+            power = pw[p * R + i]
+            if np.float64(power) - 1.0 != np.float64(power - np.float32(1)):
+                return False
+            top *= max(1.0, abs(np.float64(power)))
+        if not top < 1e38:  # NaN too
+            return False
+    return True
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready):  # pragma: no cover - compiled
+    """pack_tile, then tile t's ready mark (PACKED, or PACKED_FMA where the fma form applies)."""
+    pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
+    fma = not MASK_REGS and not F16_SCALES[kind] and _increments_exact(t, lad)
+    ready[t] = PACKED_FMA if fma else PACKED
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _ladder(t, kind, lad, ready, t0, pw):  # pragma: no cover - compiled
+    """group_scales' mode for packed tile t, with ``t0``/``pw`` filled for a ladder kind: the
+    powers themselves, or for a PACKED_FMA tile the increments power − 1 (modes 3 and 4)."""
+    mode = SCALE_MODE[kind]
+    if F16_SCALES[kind]:
+        return mode
+    _powers(t, lad, t0, pw)
+    if ready[t] != PACKED_FMA:
+        return mode
+    for k in range(5 * R):
+        pw[k] = pw[k] - np.float32(1)
+    return mode + 2
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _tile(t, ti, kind, mode, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no cover - compiled
     """acc[i] = row (t·R + i) · X[ti] for one packed tile.
 
     Four independent partial sums per row (a chain of 32 dependent multiply-adds would be bound
@@ -103,7 +150,6 @@ def _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no co
     """
     gpr = planes.shape[1]
     words = planes.shape[2]
-    mode = SCALE_MODE[kind]
     acc[:] = 0
     for g in range(gpr):
         group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
@@ -162,17 +208,14 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, 
     width = 4 * planes.shape[2]
     per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
     three = xs.shape[1] == 3 * gpr
-    mode = SCALE_MODE[kind]
     for j in range(j0, j1):
         t = tiles[j]
         if ready[t] == 0:
-            pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
-            ready[t] = 1
-        if not F16_SCALES[kind]:
-            _powers(t, lad, t0, pw)
+            _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready)
+        mode = _ladder(t, kind, lad, ready, t0, pw)
         for ti in range(xs.shape[0]):
             if not i8:
-                _tile(t, ti, kind, planes, sc, cw, t0, pw, s, acc, xp, xs)
+                _tile(t, ti, kind, mode, planes, sc, cw, t0, pw, s, acc, xp, xs)
             else:
                 # The integer tile product, written out here rather than in a helper: a numba
                 # function taking arrays costs a reference-count call per array and call, which
@@ -245,14 +288,11 @@ def tiles_block(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready
     width = 4 * planes.shape[2]
     per = xv.shape[1] // max(gpr, 1)
     three = xs.shape[1] == 3 * gpr
-    mode = SCALE_MODE[kind]
     for j in range(j0, j1):
         t = tiles[j]
         if ready[t] == 0:
-            pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
-            ready[t] = 1
-        if not F16_SCALES[kind]:
-            _powers(t, lad, t0, pw)
+            _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready)
+        mode = _ladder(t, kind, lad, ready, t0, pw)
         for g in range(gpr):
             group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
             for i in range(R):
@@ -379,13 +419,10 @@ def tiles_dequant_t(t0, t1, kind, planes, sc, cw, lad, params, exp2tab, ready, s
     base = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
     zero = np.float32(ZERO[kind])
-    mode = SCALE_MODE[kind]
     for t in range(t0, t1):
         if ready[t] == 0:
-            pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
-            ready[t] = 1
-        if not F16_SCALES[kind]:
-            _powers(t, lad, base, pw)
+            _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready)
+        mode = _ladder(t, kind, lad, ready, base, pw)
         # a slice per tile: indices that LLVM can prove non-negative (no wrap-around fix-ups)
         ot = out[:, (t - t0) * R:(t - t0 + 1) * R]
         for g in range(gpr):
