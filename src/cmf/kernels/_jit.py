@@ -15,6 +15,7 @@ products below ``PARALLEL_MIN_BYTES`` of payload call the serial body directly.
 from __future__ import annotations
 
 import mmap
+import platform
 import threading
 import weakref
 
@@ -155,6 +156,9 @@ def int8_f32(typingctx, b):  # noqa: ANN001
 # AVX-512's 16-lane mask registers: group_scales multiplies the powers in under a plane's bits
 # directly; without them (AVX2, NEON) it takes the lane masks from PLANE_MASKS.
 MASK_REGS = target_has("avx512f")
+# The table form's fma variant needs a hardware fused multiply-add (AVX2 machines have FMA3,
+# aarch64 has it in every NEON unit); without one LLVM would call fmaf per lane.
+FMA_SCALES = not MASK_REGS and (target_has("fma") or platform.machine().lower() in ("aarch64", "arm64"))
 # PLANE_MASKS[b, k] = -1 where bit k of the byte b is set, else 0: a plane byte's 8 lane masks
 PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
 
@@ -166,7 +170,7 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool, fma: bool) -> 
     power, or exactly 1.0), or — ``fma``: ``pw`` holds d = power − 1, exact — ``fma(v, d & mask,
     v)``: one rounding of v + v·d = v·power, or v + v·0 = v, so the same bits with two vector
     operations a plane instead of four (the caller checks that the tile's values allow it, see
-    ``q4._powers``). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
+    ``q4._increments_exact``; only where the target has an FMA unit, :data:`FMA_SCALES`). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     table = builder.module.globals.get("cmf_plane_masks")  # one copy per module, however many calls

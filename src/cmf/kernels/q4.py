@@ -36,7 +36,7 @@ from numba import prange
 
 from ..format.constants import GROUP
 from ._ir import DOT_PATH, INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
-from ._jit import MASK_REGS, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
+from ._jit import FMA_SCALES, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
 from .q4_stored import F16_SCALES, R, WIDTH, ZERO, decode_rows, pack_tile
 from .xprep import fill_x, quantize_x
 
@@ -118,7 +118,7 @@ def _increments_exact(t, lad):  # pragma: no cover - compiled
 def _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready):  # pragma: no cover - compiled
     """pack_tile, then tile t's ready mark (PACKED, or PACKED_FMA where the fma form applies)."""
     pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
-    fma = not MASK_REGS and not F16_SCALES[kind] and _increments_exact(t, lad)
+    fma = FMA_SCALES and not F16_SCALES[kind] and _increments_exact(t, lad)
     ready[t] = PACKED_FMA if fma else PACKED
 
 
