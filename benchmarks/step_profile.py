@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_entry, cpu_env, machine  # noqa: E402
+from _common import append_entry, cpu_env, machine, table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Without AVX-512 (issue 27)"
@@ -103,11 +103,10 @@ def span(values: list[float]) -> str:
     return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}"
 
 
-def table(cells: dict) -> str:
+def profile_table(cells: dict) -> str:
     """Markdown: one row per (file, cpu), µs a token per part as ranges over the repeats, and the
     total against the same file's native total."""
-    head = "| file | cpu | " + " | ".join(PARTS) + " | other | total | ÷ native |"
-    lines = [head, "|" + "---|" * (len(PARTS) + 5)]
+    rows = []
     for (name, cpu), runs in cells.items():
         parts = [span([r.get(p, 0.0) for r in runs]) for p in PARTS]
         other = span([r["total"] - sum(r.get(p, 0.0) for p in PARTS) for r in runs])
@@ -116,8 +115,8 @@ def table(cells: dict) -> str:
         if cpu != "native" and native:
             rs = [n["total"] / r["total"] for n, r in zip(native, runs)]
             ratio = f"{min(rs):.2f}–{max(rs):.2f}×" if len(rs) > 1 else f"{rs[0]:.2f}×"
-        lines.append(f"| {name} | {cpu} | " + " | ".join(parts) + f" | {other} | {span([r['total'] for r in runs])} | {ratio} |")
-    return "\n".join(lines)
+        rows.append([name, cpu, *parts, other, span([r["total"] for r in runs]), ratio])
+    return table(["file", "cpu", *PARTS, "other", "total", "÷ native"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = measure(m, None if c == "native" else c, args.threads, args.steps, args.rounds, Path(tmp))
                     cells[(m.name, c)].append(r)
                     print(f"repeat {rep + 1} {m.name} {c}: {r['total']:.0f} µs a token", file=sys.stderr)
-    out = table(cells)
+    out = profile_table(cells)
     print(out)
     if args.write:
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
