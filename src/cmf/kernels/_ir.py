@@ -279,9 +279,12 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             pp, xp, sp = _pointers(context, builder, signature, args, 0, 2, 4)
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
-            xs = [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
-                _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
-                for j in range(pieces)]
+            def load_xs() -> list:  # xs[j][k]: piece j's four int8 activations (an i32) for code vector k
+                return [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
+                    _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
+                    for j in range(pieces)]
+
+            xs = load_xs()
             def codes_of(w: int, c: int) -> list:  # word w of rows 16c .. 16c + 15, one vector per phase
                 at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
                 word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
@@ -312,9 +315,14 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers,
                 # and its S is stored before the next block (holding every block's piece sums to the
                 # end kept 24 ymm live and spilled them)
+                avx2 = (path or int_dot.DOT_PATH) == "avx2"
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    store(c, int_dot.group_dots(builder, codes, xs, path))
+                    if avx2 and c:  # x loaded again for each block: broadcasts straight from memory, where
+                        # values kept from the first block were spilled and reloaded (AVX2 products
+                        # 1.04-1.11x with halves_together, RESULTS.md "Without AVX-512")
+                        xs = load_xs()
+                    store(c, int_dot.group_dots(builder, codes, xs, path, halves_together=avx2))
             return context.get_dummy_value()
 
         return sig, codegen
