@@ -318,8 +318,8 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 avx2 = (path or int_dot.DOT_PATH) == "avx2"
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    if avx2 and c:  # x loaded again for each block: broadcasts straight from memory, where
-                        # values kept from the first block were spilled and reloaded (AVX2 products
+                    if avx2:  # x loaded again for each block: broadcasts straight from memory, where
+                        # values kept across blocks were spilled and reloaded (AVX2 products
                         # 1.04-1.11x with halves_together, RESULTS.md "Without AVX-512")
                         xs = load_xs()
                     store(c, int_dot.group_dots(builder, codes, xs, path, halves_together=avx2))
