@@ -19,8 +19,6 @@ Accumulators live in allocas that LLVM promotes to registers; reads stay inside 
 
 from __future__ import annotations
 
-import os
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -315,14 +313,16 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers,
                 # and its S is stored before the next block (holding every block's piece sums to the
                 # end kept 24 ymm live and spilled them)
-                avx2 = (path or int_dot.DOT_PATH) == "avx2"
+                # On 256-bit paths both halves of a block take each broadcast x in turn, and x is
+                # loaded again for each block: broadcasts straight from memory, where values kept
+                # across blocks were spilled and reloaded (4-bit products 1.05-1.06x on AVX2,
+                # ~1.07x on AVX-VNNI; RESULTS.md "Without AVX-512", 2026-12-06 16:00-16:40)
+                ymm = (path or int_dot.DOT_PATH) in ("avx2", "avxvnni")
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    if avx2:  # x loaded again for each block: broadcasts straight from memory, where
-                        # values kept across blocks were spilled and reloaded (AVX2 products
-                        # 1.04-1.11x with halves_together, RESULTS.md "Without AVX-512")
+                    if ymm:
                         xs = load_xs()
-                    store(c, int_dot.group_dots(builder, codes, xs, path, halves_together=avx2))
+                    store(c, int_dot.group_dots(builder, codes, xs, path, halves_together=ymm))
             return context.get_dummy_value()
 
         return sig, codegen

@@ -92,8 +92,19 @@ def group_dots(builder: ir.IRBuilder, codes: list, xs: list, path: str | None = 
     pieces, spilled: 353 stack moves in the three-piece tile against ~70). With
     ``halves_together`` each code pair is multiplied for both halves against one broadcast x
     before the next: an x load serves 16 rows instead of 8, and the int16 sums are two per piece
-    (six for the three pieces, still in registers). The integers are the same either way."""
+    (six for the three pieces, still in registers); on AVX-VNNI likewise, two ``vpdpbusd``
+    chains per piece. The integers are the same either way."""
     path = path or DOT_PATH
+    if path == "avxvnni" and halves_together:
+        v8 = ir.VectorType(_I32, 8)
+        acc = [[ir.Constant(v8, [0] * 8)] * 2 for _ in xs]
+        for k in range(len(codes)):
+            for j, x in enumerate(xs):
+                b = _splat_i32(builder, x[k], 8)
+                for h in range(2):
+                    acc[j][h] = _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8,
+                                      [acc[j][h], _half(builder, codes[k], h), b])
+        return [_join(builder, *aj) for aj in acc]
     if path != "avx2":
         return [group_dot(builder, list(zip(codes, x)), path) for x in xs]
     b32, w16, v8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
