@@ -283,6 +283,7 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                     for j in range(pieces)]
 
             xs = load_xs()
+
             def codes_of(w: int, c: int) -> list:  # word w of rows 16c .. 16c + 15, one vector per phase
                 at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
                 word = _vec_load(builder, cgutils.gep(builder, pp, at), v16)
@@ -315,8 +316,8 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 # end kept 24 ymm live and spilled them)
                 # On 256-bit paths both halves of a block take each broadcast x in turn, and x is
                 # loaded again for each block: broadcasts straight from memory, where values kept
-                # across blocks were spilled and reloaded (4-bit products 1.05-1.06x on AVX2,
-                # ~1.07x on AVX-VNNI; RESULTS.md "Without AVX-512", 2026-12-06 16:00-16:40)
+                # across blocks were spilled and reloaded (4-bit products 1.04-1.05x on AVX2,
+                # ~1.07x on AVX-VNNI; RESULTS.md "Without AVX-512", 2026-12-06 16:00-16:34)
                 ymm = (path or int_dot.DOT_PATH) in ("avx2", "avxvnni")
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
