@@ -277,12 +277,11 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             pp, xp, sp = _pointers(context, builder, signature, args, 0, 2, 4)
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
+
             def load_xs() -> list:  # xs[j][k]: piece j's four int8 activations (an i32) for code vector k
                 return [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
                     _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
                     for j in range(pieces)]
-
-            xs = load_xs()
 
             def codes_of(w: int, c: int) -> list:  # word w of rows 16c .. 16c + 15, one vector per phase
                 at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
@@ -302,7 +301,7 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 # independent vpdpbusd chains in flight (32 zmm registers hold them). Block by
                 # block (the AVX2 order below) leaves pieces chains of 8 dependent vpdpbusd:
                 # SmolLM2 q4tp decode 0.80×, prefill 0.79× (benchmarks/ab.py, RESULTS.md).
-                splat = [[_splat(builder, x, v16) for x in xj] for xj in xs]
+                splat = [[_splat(builder, x, v16) for x in xj] for xj in load_xs()]
                 acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
                 for w in range(width // 4):
                     for c in range(4):
@@ -311,19 +310,18 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                                 acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][w * phases + p])
                 for c in range(4):
                     store(c, [acc[j][c] for j in range(pieces)])
-            else:  # block by block: a block's code vectors and one sum per piece fit AVX2's 16 registers,
+            else:  # block by block: a block's code vectors and its piece sums fit AVX2's 16 registers,
                 # and its S is stored before the next block (holding every block's piece sums to the
-                # end kept 24 ymm live and spilled them)
-                # On 256-bit paths both halves of a block take each broadcast x in turn, and x is
-                # loaded again for each block: broadcasts straight from memory, where values kept
-                # across blocks were spilled and reloaded (4-bit products 1.04-1.05x on AVX2,
-                # ~1.07x on AVX-VNNI; RESULTS.md "Without AVX-512", 2026-12-06 16:00-16:34)
+                # end kept 24 ymm live and spilled them). On the 256-bit paths both halves of a block
+                # take each broadcast x in turn, and x is loaded again for each block: broadcasts
+                # straight from memory, where values kept across blocks were spilled and reloaded
+                # (4-bit products 1.04-1.05x on AVX2, ~1.07x on AVX-VNNI; RESULTS.md "Without
+                # AVX-512", 2026-12-06 16:00-16:34)
                 ymm = (path or int_dot.DOT_PATH) in ("avx2", "avxvnni")
+                xs = None if ymm else load_xs()
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    if ymm:
-                        xs = load_xs()
-                    store(c, int_dot.group_dots(builder, codes, xs, path, halves_together=ymm))
+                    store(c, int_dot.group_dots(builder, codes, load_xs() if ymm else xs, path, halves_together=ymm))
             return context.get_dummy_value()
 
         return sig, codegen
