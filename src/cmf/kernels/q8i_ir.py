@@ -14,9 +14,10 @@ Each (row, vector) value is thus one fixed sequence of operations whatever the n
 per call or the CPU: a sequence's product never depends on the rest of its batch.
 
 The integer sums run on the CPU's integer dot (``int_dot``): ``vpdpbusd`` on 512-bit vectors or on
-256-bit halves where the CPU has VNNI; elsewhere (AVX2, portable IR) each byte is split into its
-two nibbles, whose sums the 4-bit kernels' ``group_dots`` form without saturation, and recombined
-as 16·Σ hi·x + Σ lo·x — the same integers.
+256-bit halves where the CPU has VNNI; on AVX2 ``vpmaddubsw`` of |q| by x carrying q's sign
+(``_sign_sums``: no saturation, no correction term); on the portable path each byte is split into
+its two nibbles, whose sums the 4-bit kernels' ``group_dots`` form without saturation, recombined
+as 16·Σ hi·x + Σ lo·x. The same integers on every path.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list
     if path == "avxvnni":  # vpdpbusd takes any unsigned byte (no saturation)
         return [[builder.sub(int_dot.group_dot(builder, list(zip(cb, xv)), path), c) for xv, c in zip(xs, corr)]
                 for cb in codes]
-    # AVX2 / portable: bytes as two nibbles, each within the 4-bit forms' bounds
+    if path == "avx2":
+        return _sign_sums(builder, codes, xs)
+    # portable: bytes as two nibbles, each within the 4-bit forms' bounds
     low = ir.Constant(_V16, [0x0F0F0F0F] * 16)
     four = ir.Constant(_V16, [4] * 16)
     out = []
@@ -68,6 +71,37 @@ def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list
         sh = int_dot.group_dots(builder, hi, xs, path)
         sl = int_dot.group_dots(builder, lo, xs, path)
         out.append([builder.sub(builder.add(builder.shl(h, four), lo_), c) for h, lo_, c in zip(sh, sl, corr)])
+    return out
+
+
+def _sign_sums(builder, codes: list, xs: list) -> list:  # noqa: ANN001
+    """:func:`_integer_sums` on AVX2: per 256-bit half, ``vpmaddubsw(|q|, sign(q)·x)`` — the
+    weight's magnitude as the unsigned operand (128 for q = −128), x carrying the weight's sign
+    (``vpsignb``; |x| ≤ 127, so no overflow) — then ``vpmaddwd`` by ones and an int32 add per word.
+    A byte pair is at most 2·128·127 = 32512 < 2^15: no saturation, the exact Σ q·x with no
+    correction term. q = u XOR 0x80 and |q| are formed once per code half and serve every vector."""
+    b32, w16, v8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+    ones = ir.Constant(w16, [1] * 16)
+    flip = ir.Constant(b32, [0x80] * 32)
+    absb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b32, [b32, ir.IntType(1)]), "llvm.abs.v32i8")
+    out = []
+    for cb in codes:
+        q = [[builder.xor(builder.bitcast(int_dot._half(builder, c, h), b32), flip) for c in cb] for h in range(2)]
+        mag = [[builder.call(absb, [qw, ir.Constant(ir.IntType(1), 0)]) for qw in qh] for qh in q]
+        per_vec = []
+        for xv in xs:
+            halves = []
+            for h in range(2):
+                acc = None
+                for w, x in enumerate(xv):
+                    xb = builder.bitcast(int_dot._splat_i32(builder, x, 8), b32)
+                    sx = int_dot._call(builder, "llvm.x86.avx2.psign.b", b32, [xb, q[h][w]])
+                    p = int_dot._call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [mag[h][w], sx])
+                    wide = int_dot._call(builder, "llvm.x86.avx2.pmadd.wd", v8, [p, ones])
+                    acc = wide if acc is None else builder.add(acc, wide)
+                halves.append(acc)
+            per_vec.append(int_dot._join(builder, *halves))
+        out.append(per_vec)
     return out
 
 
