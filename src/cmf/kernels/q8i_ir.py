@@ -172,7 +172,7 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
     def q8i_rows(typingctx, planes, b0, b1, xv, vstride, xc, d, gpr, nvec, s, Y, pf):  # noqa: ANN001
         """Y[t, 32·blk + i] = s[32·blk + i]·Σ_g d[t·gpr + g]·I_g(row 32·blk + i, vector t) for the
         whole blocks blk in [b0, b1) and vectors t < ``nvec``: four vectors per pass over a block
-        (then three, two or one), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
+        (then three, two or one; on AVX2 one), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
         and the store into Y's rows (last axis contiguous) in the same compiled loop — the numba loop
         around the per-pass kernels cost a fifth of a 16-vector product. ``pf`` > 0: prefetch the
         next block (``pf`` bytes ahead), a share of it on each of the block's passes."""
@@ -188,15 +188,18 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
             use = path or int_dot.DOT_PATH
             c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
             zero = c64(0)
+            # vectors per pass: on AVX2 one, whose |q| and broadcast x fit the 16 ymm registers (four
+            # vectors' spilled; prefill-512 1.02-1.04x, docs/PERFORMANCE.md "q8 with int8 activations")
+            per = 1 if use == "avx2" else MAX_VECS
 
             # the next block's prefetches spread over this block's passes: each pass a share of every
             # group's 16 lines (all on the first pass: a 16-vector step's products ~20% slower from L3)
-            npass = builder.sdiv(builder.add(nvec, c64(MAX_VECS - 1)), c64(MAX_VECS))
+            npass = builder.sdiv(builder.add(nvec, c64(per - 1)), c64(per))
             share = builder.sdiv(builder.add(c64(GROUP_BYTES // 64 - 1), npass), npass)
 
             def one_pass(blk, t0, nvecs: int) -> None:  # noqa: ANN001
                 base = builder.mul(blk, builder.mul(gpr, c64(GROUP_BYTES)))
-                l0 = builder.mul(builder.sdiv(t0, c64(MAX_VECS)), share)
+                l0 = builder.mul(builder.sdiv(t0, c64(per)), share)
                 l1 = builder.add(l0, share)
                 l1 = builder.select(builder.icmp_signed(">", l1, c64(GROUP_BYTES // 64)), c64(GROUP_BYTES // 64), l1)
                 accs = _emit_block(builder, pp, base, xp, builder.mul(t0, vstride), vstride, cp, dp,
@@ -210,12 +213,12 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
                         at = builder.gep(ybase, [builder.add(builder.mul(row, ystride), builder.mul(col, c64(4)))])
                         builder.store(builder.fmul(accs[b][v], scale), builder.bitcast(at, _VF.as_pointer()), align=4)
 
-            whole = builder.mul(builder.sdiv(nvec, c64(MAX_VECS)), c64(MAX_VECS))
+            whole = builder.mul(builder.sdiv(nvec, c64(per)), c64(per))
             rest = builder.sub(nvec, whole)
             with cgutils.for_range_slice(builder, b0, b1, c64(1)) as (blk, _):
-                with cgutils.for_range_slice(builder, zero, whole, c64(MAX_VECS)) as (t0, _):
-                    one_pass(blk, t0, MAX_VECS)
-                for n in range(1, MAX_VECS):
+                with cgutils.for_range_slice(builder, zero, whole, c64(per)) as (t0, _):
+                    one_pass(blk, t0, per)
+                for n in range(1, per):
                     with builder.if_then(builder.icmp_signed("==", rest, c64(n))):
                         one_pass(blk, whole, n)
             return context.get_dummy_value()
