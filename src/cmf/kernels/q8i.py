@@ -20,17 +20,21 @@ import numba
 import numpy as np
 from numba import prange
 
+from .int_dot import DOT_PATH
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
 from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
 from .vmath import gated_rows
 
 GROUP = 32
-# Vectors from which a block's passes prefetch the next block into L2. One vector streams
-# the weights at the hardware prefetcher's pace and the explicit prefetches only cost it
+# Vectors from which a block's passes prefetch the next block into L2. On 512-bit VNNI one vector
+# streams the weights at the hardware prefetcher's pace and the explicit prefetches only cost it
 # (SmolLM2-135M q8, one-token products from memory: 3.67 → 3.33 ms a token without them, below the
-# exact kernels' 3.45); 16 vectors were ~35% slower from memory without them.
-PREFETCH_MIN_VECTORS = 2
+# exact kernels' 3.45); 16 vectors were ~35% slower from memory without them. The 256-bit paths
+# (AVX2, AVX-VNNI), with more arithmetic per byte, prefetch for one vector too: SmolLM2 q8 decode
+# with int8 activations 1.3x compiled for haswell, 1.15x for alderlake (an L3-resident host,
+# 2026-12-06; docs/PERFORMANCE.md "q8 with int8 activations").
+PREFETCH_MIN_VECTORS = 2 if DOT_PATH == "vnni512" else 1
 
 
 @numba.njit(**SERIAL)
