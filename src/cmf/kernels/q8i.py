@@ -20,21 +20,17 @@ import numba
 import numpy as np
 from numba import prange
 
-from .int_dot import DOT_PATH
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
 from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
 from .vmath import gated_rows
 
 GROUP = 32
-# Vectors from which a block's passes prefetch the next block into L2. On 512-bit VNNI one vector
-# streams the weights at the hardware prefetcher's pace and the explicit prefetches only cost it
-# (SmolLM2-135M q8, one-token products from memory: 3.67 → 3.33 ms a token without them, below the
-# exact kernels' 3.45); 16 vectors were ~35% slower from memory without them. The 256-bit paths
-# (AVX2, AVX-VNNI), with more arithmetic per byte, prefetch for one vector too: SmolLM2 q8 decode
-# with int8 activations 1.3x compiled for haswell, 1.15x for alderlake (an L3-resident host,
-# 2026-12-06; docs/PERFORMANCE.md "q8 with int8 activations").
-PREFETCH_MIN_VECTORS = 2 if DOT_PATH == "vnni512" else 1
+# Every product prefetches the next block into L2 while reading a block (``pf`` below), one
+# vector included: on the Intel host of 2026-12-06 SmolLM2 q8 +i8 decode gained 1.13x natively,
+# 1.15x for alderlake and 1.3x for haswell, and a 1.1 GB model streamed from DRAM 1.08-1.12x
+# natively, 1.16-1.33x for haswell (docs/PERFORMANCE.md "q8 with int8 activations"). On 2026-12-05
+# (older code, another host) one vector had measured 10% faster without them.
 
 
 @numba.njit(**SERIAL)
@@ -93,7 +89,7 @@ def block_rows(planes, s, xv, xc, d, Y, b0, b1, acc):  # pragma: no cover - comp
     T, gpr = d.shape
     whole = max(b0, min(b1, n // ROWS)) if Y.strides[1] == 4 else b0  # blocks with all 32 rows: one compiled loop
     if whole > b0:
-        pf = gpr * GROUP_BYTES if T >= PREFETCH_MIN_VECTORS else 0
+        pf = gpr * GROUP_BYTES
         q8i_rows(planes, b0, whole, xv.reshape(-1), gpr * 8, xc.reshape(-1), d.reshape(-1), gpr, T, s, Y, pf)
     for blk in range(whole, b1):
         r0 = blk * ROWS
@@ -135,7 +131,7 @@ def _one_block(planes, s, xv, xc, d, Y, blk, acc):  # pragma: no cover - compile
     t = 0
     while t < T:
         nv = min(MAX_VECS, T - t)
-        pf = gpr * GROUP_BYTES if t == 0 and T >= PREFETCH_MIN_VECTORS else 0  # the next block, on its first read
+        pf = gpr * GROUP_BYTES if t == 0 else 0  # the next block, on its first read
         if nv == 4:
             q8i_block4(planes, base, xflat, t * vstride, vstride, cflat, dflat, t * gpr, gpr, acc, pf)
         elif nv == 3:
