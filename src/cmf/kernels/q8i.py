@@ -27,10 +27,9 @@ from .vmath import gated_rows
 
 GROUP = 32
 # Every product prefetches the next block into L2 while reading a block (``pf`` below), one
-# vector included: on the Intel host of 2026-12-06 SmolLM2 q8 +i8 decode gained 1.13x natively,
-# 1.15x for alderlake and 1.3x for haswell, and a 1.1 GB model streamed from DRAM 1.08-1.12x
-# natively, 1.16-1.33x for haswell (docs/PERFORMANCE.md "q8 with int8 activations"). On 2026-12-05
-# (older code, another host) one vector had measured 10% faster without them.
+# vector included, as the 4-bit tile loop does (``q4.PREFETCH_AHEAD``): one vector measured faster
+# with them on every target, from L3 and from DRAM (docs/PERFORMANCE.md, "q8 with int8
+# activations", which keeps an older measurement that went the other way).
 
 
 @numba.njit(**SERIAL)
