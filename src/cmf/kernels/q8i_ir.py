@@ -172,7 +172,7 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
     def q8i_rows(typingctx, planes, b0, b1, xv, vstride, xc, d, gpr, nvec, s, Y, pf):  # noqa: ANN001
         """Y[t, 32·blk + i] = s[32·blk + i]·Σ_g d[t·gpr + g]·I_g(row 32·blk + i, vector t) for the
         whole blocks blk in [b0, b1) and vectors t < ``nvec``: four vectors per pass over a block
-        (then three, two or one; on AVX2 one), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
+        (then three, two or one; one on the 256-bit paths), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
         and the store into Y's rows (last axis contiguous) in the same compiled loop — the numba loop
         around the per-pass kernels cost a fifth of a 16-vector product. ``pf`` > 0: prefetch the
         next block (``pf`` bytes ahead), a share of it on each of the block's passes."""
@@ -188,9 +188,11 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
             use = path or int_dot.DOT_PATH
             c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
             zero = c64(0)
-            # vectors per pass: on AVX2 one, whose |q| and broadcast x fit the 16 ymm registers (four
-            # vectors' spilled; prefill-512 1.02-1.04x, docs/PERFORMANCE.md "q8 with int8 activations")
-            per = 1 if use == "avx2" else MAX_VECS
+            # vectors per pass: one on the 256-bit paths, whose codes and broadcast x then fit the 16
+            # ymm registers (four vectors' spilled: prefill-512 1.02-1.04x on AVX2, 1.28x on AVX-VNNI;
+            # the 512-bit path keeps four, whose prefill is 1.18x that with one; docs/PERFORMANCE.md
+            # "q8 with int8 activations")
+            per = 1 if use in ("avx2", "avxvnni") else MAX_VECS
 
             # the next block's prefetches spread over this block's passes: each pass a share of every
             # group's 16 lines (all on the first pass: a 16-vector step's products ~20% slower from L3)
