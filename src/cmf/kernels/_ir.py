@@ -321,7 +321,7 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 xs = None if ymm else load_xs()
                 for c in range(4):
                     codes = [v for w in range(width // 4) for v in codes_of(w, c)]  # in xs's order
-                    store(c, int_dot.group_dots(builder, codes, load_xs() if ymm else xs, path, halves_together=ymm))
+                    store(c, int_dot.group_dots(builder, codes, load_xs() if ymm else xs, path))
             return context.get_dummy_value()
 
         return sig, codegen

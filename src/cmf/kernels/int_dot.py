@@ -83,20 +83,18 @@ def _splat_i32(builder: ir.IRBuilder, x: ir.Value, n: int) -> ir.Value:
     return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(ty, [0] * n))
 
 
-def group_dots(builder: ir.IRBuilder, codes: list, xs: list, path: str | None = None,
-               halves_together: bool = False) -> list:
+def group_dots(builder: ir.IRBuilder, codes: list, xs: list, path: str | None = None) -> list:
     """:func:`group_dot` of the same ``codes`` against each piece's activations ``xs[j]``.
 
-    On AVX2 the pieces run inside each 256-bit half: a half's eight code vectors and one int16
-    sum per piece stay in the 16 ymm registers (the 512-bit order, all codes live across the
-    pieces, spilled: 353 stack moves in the three-piece tile against ~70). With
-    ``halves_together`` each code pair is multiplied for both halves against one broadcast x
-    before the next: an x load serves 16 rows instead of 8, and the int16 sums are two per piece
-    (six for the three pieces, still in registers); on AVX-VNNI likewise, two ``vpdpbusd``
-    chains per piece. The integers are the same either way."""
+    On the 256-bit paths each code pair is multiplied for both halves against one broadcast x
+    before the next: an x load serves 16 rows, and the sums are two per piece (AVX2: int16, six
+    for the three pieces, all in the 16 ymm registers; AVX-VNNI: two ``vpdpbusd`` chains). The
+    512-bit order, all codes live across the pieces, spilled on AVX2 (353 stack moves in the
+    three-piece tile against ~70), and one half after the other left each x serving 8 rows.
+    The integers are the same in every order."""
     path = path or DOT_PATH
-    if path == "avxvnni" and halves_together:
-        v8 = ir.VectorType(_I32, 8)
+    v8 = ir.VectorType(_I32, 8)
+    if path == "avxvnni":
         acc = [[ir.Constant(v8, [0] * 8)] * 2 for _ in xs]
         for k in range(len(codes)):
             for j, x in enumerate(xs):
@@ -107,30 +105,48 @@ def group_dots(builder: ir.IRBuilder, codes: list, xs: list, path: str | None = 
         return [_join(builder, *aj) for aj in acc]
     if path != "avx2":
         return [group_dot(builder, list(zip(codes, x)), path) for x in xs]
+    b32, w16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    ones = ir.Constant(w16, [1] * 16)
+    parts = [[builder.bitcast(_half(builder, c, h), b32) for c in codes] for h in range(2)]
+    s16 = [[None, None] for _ in xs]
+    for k in range(len(codes)):
+        for j, x in enumerate(xs):
+            b = builder.bitcast(_splat_i32(builder, x[k], 8), b32)
+            for h in range(2):
+                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [parts[h][k], b])
+                s16[j][h] = p if s16[j][h] is None else builder.add(s16[j][h], p)
+    return [_join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.wd", v8, [sj[h], ones]) for h in range(2)])
+            for sj in s16]
+
+
+def signed_dots_avx2(builder: ir.IRBuilder, codes: list, xs: list) -> list:
+    """s8 × s8 sums on AVX2: per lane of ``codes[w]`` (<16 x i32> of *signed* bytes q), and for
+    each vector v, Σ_w Σ_bytes q·x over the words ``xs[v][w]`` (i32 of four int8 activations).
+
+    Per 256-bit half ``vpmaddubsw(|q|, sign(q)·x)`` — the weight's magnitude as the unsigned
+    operand (128 for q = −128), x carrying the weight's sign (``vpsignb``; |x| ≤ 127, so no
+    overflow) — then ``vpmaddwd`` by ones and an int32 add per word. A byte pair is at most
+    2·128·127 = 32512 < 2^15: no saturation, the exact sums. |q| is formed once per code half and
+    serves every vector. Returns sums[v] (<16 x i32>)."""
     b32, w16, v8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
     ones = ir.Constant(w16, [1] * 16)
-    if halves_together:
-        parts = [[builder.bitcast(_half(builder, c, h), b32) for c in codes] for h in range(2)]
-        s16 = [[None, None] for _ in xs]
-        for k in range(len(codes)):
-            for j, x in enumerate(xs):
-                b = builder.bitcast(_splat_i32(builder, x[k], 8), b32)
-                for h in range(2):
-                    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [parts[h][k], b])
-                    s16[j][h] = p if s16[j][h] is None else builder.add(s16[j][h], p)
-        return [_join(builder, *[_call(builder, "llvm.x86.avx2.pmadd.wd", v8, [sj[h], ones]) for h in range(2)])
-                for sj in s16]
-    halves = [[None, None] for _ in xs]
-    for h in range(2):
-        part = [builder.bitcast(_half(builder, c, h), b32) for c in codes]
-        for j, x in enumerate(xs):
-            s16 = None
-            for a, xi in zip(part, x):
-                b = builder.bitcast(_splat_i32(builder, xi, 8), b32)
-                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [a, b])
-                s16 = p if s16 is None else builder.add(s16, p)
-            halves[j][h] = _call(builder, "llvm.x86.avx2.pmadd.wd", v8, [s16, ones])
-    return [_join(builder, *hs) for hs in halves]
+    absb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b32, [b32, ir.IntType(1)]), "llvm.abs.v32i8")
+    q = [[builder.bitcast(_half(builder, c, h), b32) for c in codes] for h in range(2)]
+    mag = [[builder.call(absb, [qw, ir.Constant(ir.IntType(1), 0)]) for qw in qh] for qh in q]
+    out = []
+    for xv in xs:
+        halves = []
+        for h in range(2):
+            acc = None
+            for w, x in enumerate(xv):
+                xb = builder.bitcast(_splat_i32(builder, x, 8), b32)
+                sx = _call(builder, "llvm.x86.avx2.psign.b", b32, [xb, q[h][w]])
+                wide = _call(builder, "llvm.x86.avx2.pmadd.wd", v8,
+                             [_call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [mag[h][w], sx]), ones])
+                acc = wide if acc is None else builder.add(acc, wide)
+            halves.append(acc)
+        out.append(_join(builder, *halves))
+    return out
 
 
 def vnni512_acc(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, xs: ir.Value) -> ir.Value:
@@ -192,4 +208,5 @@ def group_dot(builder: ir.IRBuilder, pairs: list, path: str | None = None) -> ir
     return tot
 
 
-__all__ = ["DOT_PATH", "PATHS", "choose_path", "group_dot", "group_dots", "path_supported", "vnni512_acc"]
+__all__ = ["DOT_PATH", "PATHS", "choose_path", "group_dot", "group_dots", "path_supported", "signed_dots_avx2",
+           "vnni512_acc"]

@@ -22,7 +22,7 @@ from numba import prange
 
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
-from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
+from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, VECS_PER_PASS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
 from .vmath import gated_rows
 
 GROUP = 32
@@ -129,7 +129,7 @@ def _one_block(planes, s, xv, xc, d, Y, blk, acc):  # pragma: no cover - compile
     base = blk * gpr * GROUP_BYTES
     t = 0
     while t < T:
-        nv = min(MAX_VECS, T - t)
+        nv = min(VECS_PER_PASS, T - t)
         pf = gpr * GROUP_BYTES if t == 0 else 0  # the next block, on its first read
         if nv == 4:
             q8i_block4(planes, base, xflat, t * vstride, vstride, cflat, dflat, t * gpr, gpr, acc, pf)

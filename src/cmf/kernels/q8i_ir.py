@@ -15,7 +15,7 @@ per call or the CPU: a sequence's product never depends on the rest of its batch
 
 The integer sums run on the CPU's integer dot (``int_dot``): ``vpdpbusd`` on 512-bit vectors or on
 256-bit halves where the CPU has VNNI; on AVX2 ``vpmaddubsw`` of |q| by x carrying q's sign
-(``_sign_sums``: no saturation, no correction term); on the portable path each byte is split into
+(``int_dot.signed_dots_avx2``: no saturation, no correction term); on the portable path each byte is split into
 its two nibbles, whose sums the 4-bit kernels' ``group_dots`` form without saturation, recombined
 as 16·Σ hi·x + Σ lo·x. The same integers on every path.
 """
@@ -42,6 +42,17 @@ GROUP_BYTES = ROWS * WORDS * 4  # one block's bytes per group (1 KB)
 MAX_VECS = 4
 
 
+def vecs_per_pass(path: str) -> int:
+    """Vectors a pass over a block takes on ``path``: one on the 256-bit paths, whose codes and
+    broadcast x then fit the 16 ymm registers (four vectors' spilled: prefill-512 1.02-1.04x on
+    AVX2, 1.28x on AVX-VNNI with one); four on 512 bits (prefill 1.18x that with one;
+    docs/PERFORMANCE.md "q8 with int8 activations")."""
+    return 1 if path in ("avx2", "avxvnni") else MAX_VECS
+
+
+VECS_PER_PASS = vecs_per_pass(int_dot.DOT_PATH)  # this target's
+
+
 def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list:  # noqa: ANN001
     """codes[b][w]: <16 x i32> of 16 rows' word w; xs[v][w]: vector v's word w (i32); corr[v]:
     vector v's correction (<16 x i32>, 128·Σx in every lane). Returns sums[b][v] = per lane
@@ -59,8 +70,9 @@ def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list
     if path == "avxvnni":  # vpdpbusd takes any unsigned byte (no saturation)
         return [[builder.sub(int_dot.group_dot(builder, list(zip(cb, xv)), path), c) for xv, c in zip(xs, corr)]
                 for cb in codes]
-    if path == "avx2":
-        return _sign_sums(builder, codes, xs)
+    if path == "avx2":  # the stored u = q XOR 0x80 turned back into q, then the sign form
+        flip = ir.Constant(_V16, [0x80808080] * 16)
+        return [int_dot.signed_dots_avx2(builder, [builder.xor(c, flip) for c in cb], xs) for cb in codes]
     # portable: bytes as two nibbles, each within the 4-bit forms' bounds
     low = ir.Constant(_V16, [0x0F0F0F0F] * 16)
     four = ir.Constant(_V16, [4] * 16)
@@ -71,37 +83,6 @@ def _integer_sums(builder, codes: list, xs: list, path: str, corr: list) -> list
         sh = int_dot.group_dots(builder, hi, xs, path)
         sl = int_dot.group_dots(builder, lo, xs, path)
         out.append([builder.sub(builder.add(builder.shl(h, four), lo_), c) for h, lo_, c in zip(sh, sl, corr)])
-    return out
-
-
-def _sign_sums(builder, codes: list, xs: list) -> list:  # noqa: ANN001
-    """:func:`_integer_sums` on AVX2: per 256-bit half, ``vpmaddubsw(|q|, sign(q)·x)`` — the
-    weight's magnitude as the unsigned operand (128 for q = −128), x carrying the weight's sign
-    (``vpsignb``; |x| ≤ 127, so no overflow) — then ``vpmaddwd`` by ones and an int32 add per word.
-    A byte pair is at most 2·128·127 = 32512 < 2^15: no saturation, the exact Σ q·x with no
-    correction term. q = u XOR 0x80 and |q| are formed once per code half and serve every vector."""
-    b32, w16, v8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
-    ones = ir.Constant(w16, [1] * 16)
-    flip = ir.Constant(b32, [0x80] * 32)
-    absb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b32, [b32, ir.IntType(1)]), "llvm.abs.v32i8")
-    out = []
-    for cb in codes:
-        q = [[builder.xor(builder.bitcast(int_dot._half(builder, c, h), b32), flip) for c in cb] for h in range(2)]
-        mag = [[builder.call(absb, [qw, ir.Constant(ir.IntType(1), 0)]) for qw in qh] for qh in q]
-        per_vec = []
-        for xv in xs:
-            halves = []
-            for h in range(2):
-                acc = None
-                for w, x in enumerate(xv):
-                    xb = builder.bitcast(int_dot._splat_i32(builder, x, 8), b32)
-                    sx = int_dot._call(builder, "llvm.x86.avx2.psign.b", b32, [xb, q[h][w]])
-                    p = int_dot._call(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [mag[h][w], sx])
-                    wide = int_dot._call(builder, "llvm.x86.avx2.pmadd.wd", v8, [p, ones])
-                    acc = wide if acc is None else builder.add(acc, wide)
-                halves.append(acc)
-            per_vec.append(int_dot._join(builder, *halves))
-        out.append(per_vec)
     return out
 
 
@@ -171,9 +152,9 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
     @intrinsic
     def q8i_rows(typingctx, planes, b0, b1, xv, vstride, xc, d, gpr, nvec, s, Y, pf):  # noqa: ANN001
         """Y[t, 32·blk + i] = s[32·blk + i]·Σ_g d[t·gpr + g]·I_g(row 32·blk + i, vector t) for the
-        whole blocks blk in [b0, b1) and vectors t < ``nvec``: four vectors per pass over a block
-        (then three, two or one; one on the 256-bit paths), as :func:`q8i_block4` … :func:`q8i_block1` compute them, the scale
-        and the store into Y's rows (last axis contiguous) in the same compiled loop — the numba loop
+        whole blocks blk in [b0, b1) and vectors t < ``nvec``: :func:`vecs_per_pass` vectors per
+        pass over a block (then the rest), as :func:`q8i_block4` … :func:`q8i_block1` compute them,
+        the scale and the store into Y's rows (last axis contiguous) in the same compiled loop — the numba loop
         around the per-pass kernels cost a fifth of a 16-vector product. ``pf`` > 0: prefetch the
         next block (``pf`` bytes ahead), a share of it on each of the block's passes."""
         sig = types.void(planes, types.int64, types.int64, xv, types.int64, xc, d, types.int64, types.int64, s, Y,
@@ -188,11 +169,7 @@ def _make_rows(path: str | None = None):  # noqa: ANN202 - returns a numba intri
             use = path or int_dot.DOT_PATH
             c64 = lambda n: ir.Constant(_I64, n)  # noqa: E731
             zero = c64(0)
-            # vectors per pass: one on the 256-bit paths, whose codes and broadcast x then fit the 16
-            # ymm registers (four vectors' spilled: prefill-512 1.02-1.04x on AVX2, 1.28x on AVX-VNNI;
-            # the 512-bit path keeps four, whose prefill is 1.18x that with one; docs/PERFORMANCE.md
-            # "q8 with int8 activations")
-            per = 1 if use in ("avx2", "avxvnni") else MAX_VECS
+            per = vecs_per_pass(use)
 
             # the next block's prefetches spread over this block's passes: each pass a share of every
             # group's 16 lines (all on the first pass: a 16-vector step's products ~20% slower from L3)
@@ -295,5 +272,5 @@ def rows_for(path: str):  # noqa: ANN201 - a numba intrinsic
     return _make_rows(path)
 
 
-__all__ = ["GROUP_BYTES", "MAX_VECS", "ROWS", "WORDS", "kernels_for", "q8i_block1", "q8i_block2", "q8i_block3",
-           "q8i_block4", "q8i_rows", "quantize_rows", "rows_for"]
+__all__ = ["GROUP_BYTES", "MAX_VECS", "ROWS", "VECS_PER_PASS", "WORDS", "kernels_for", "q8i_block1", "q8i_block2",
+           "q8i_block3", "q8i_block4", "q8i_rows", "quantize_rows", "rows_for", "vecs_per_pass"]
