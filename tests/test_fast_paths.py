@@ -122,6 +122,39 @@ def test_groups_of_one_to_three_matrices_share_one_specialization(model, name) -
     assert len(kinds) == 1
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("name", DTYPES)
+def test_prebound_products_give_the_bound_calls_bits(model, name, int8, monkeypatch) -> None:
+    """``bound.prebind`` (the token step's calls): the runner computes the call it replaces, bit
+    for bit, on one thread and two, reading the caller's x as it is at each call and writing the
+    caller's buffer; a call without a runner (or none) passes through."""
+    from cmf.kernels import _jit
+    from cmf.kernels.bound import RUNNERS, prebind
+
+    monkeypatch.setattr(_jit, "PARALLEL_MIN_BYTES", 0)
+    ops = [prepare(model.tensor(f"{name}.a{k}"), int8_activations=int8) for k in range(2)]
+    g = MatvecGroup(ops, act="silu")
+    assert prebind(None) is None
+    x = np.empty((1, ops[0].in_features), np.float32)
+    for nt in (1, 2):
+        want = np.full((1, g.out_features), np.nan, np.float32)
+        got = np.full((1, g.out_features), np.nan, np.float32)
+        call = g.bind(x, want, nt)
+        if call is None:  # q1t: no group function, nothing to bind
+            assert g.family is None
+            return
+        fn, args = prebind(g.bind(x, got, nt))
+        assert fn is RUNNERS[call[0]] and len(args) == 1
+        for seed in (4, 5):  # x refilled in place: the bound arguments see it
+            x[:] = np.random.default_rng(seed).standard_normal(x.shape)
+            call[0](*call[1])
+            fn(*args)
+            assert np.array_equal(got, want), (nt, seed)
+            assert not np.isnan(got).any()
+    other = (np.add, (1, 2))
+    assert prebind(other) is other
+
+
 def test_matvec_group_of_unhandled_family_falls_back(model) -> None:
     ops = [prepare(model.tensor(f"q1t.b{k}")) for k in range(2)]
     g = MatvecGroup(ops, act="silu")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.bound import prebind
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
 from .schedule import run_layer
@@ -204,7 +205,9 @@ class BlockStep:
         scatter = None if pos is None else (x[0], pos, gated[0])
         calls = (at.qkv.bind(self.h, at.buf, nt), at.o.bind(at.att2d, self.a, nt),
                  gate_up.bind(self.h, buf, nt), down.bind(gated if x is None else x, self.f, nt))
-        return None if any(c is None for c in calls) else (*calls, scatter)
+        if any(c is None for c in calls):
+            return None
+        return (*(prebind(c) for c in calls), scatter)
 
     def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
         """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
