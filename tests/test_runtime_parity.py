@@ -146,9 +146,12 @@ def test_seeded_sampling_reproducible():
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("kind,quant", [("qwen3", "f32"), ("qwen2", "q8"), ("llama", "q4tp")])
+@pytest.mark.parametrize("kind,quant", [("qwen3", "f32"), ("qwen3", "q4tp"), ("qwen2", "q8"), ("llama", "q4tp")])
 def test_plain_layer_path_equals_the_general_step(kind, quant, monkeypatch):
-    """BlockStep._plain (pre-bound calls) computes exactly what the general step computes."""
+    """BlockStep._plain (pre-bound calls) and its one-call form (layer_step.py) compute exactly
+    what the general step computes; attention biases (the qwen2 and llama fixtures') keep a
+    layer off the one-call form."""
+    from cmf.runtime import step
     from cmf.runtime.step import BlockStep
 
     ids = prompt(4).tolist()
@@ -159,12 +162,17 @@ def test_plain_layer_path_equals_the_general_step(kind, quant, monkeypatch):
             out = [m.prefill(ids, c)]
             for t in range(6):
                 out.append(m.forward([int(np.argmax(out[-1]))], c))
-            plain = sum(b._step._bound[2] is not None for b in m._blocks)
-        return np.concatenate(out), plain
+            bound = [b._step._bound[2] for b in m._blocks]
+            biased = any(b._step.attn.bias is not None or b._step.attn.attn.ob is not None for b in m._blocks)
+        return (np.concatenate(out), sum(b is not None for b in bound),
+                sum(b is not None and b[-1] is not None for b in bound), biased)
 
-    fast, n_plain = run()
-    assert n_plain > 0  # the layers took the plain path
+    fused, n_plain, n_one, biased = run()
+    assert n_plain > 0 and n_one == (0 if biased else n_plain) and biased == (kind != "qwen3")
+    monkeypatch.setattr(step, "bind_layer", lambda *a: None)
+    fast, n_plain, n_one, _ = run()
+    assert n_plain > 0 and n_one == 0
     monkeypatch.setattr(BlockStep, "_bind", lambda self, nt, ffn: None)
-    general, n_plain = run()
+    general, n_plain, _, _ = run()
     assert n_plain == 0
-    assert np.array_equal(fast, general)
+    assert np.array_equal(fused, general) and np.array_equal(fast, general)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.bound import prebind
+from ..kernels.bound import prebind, run_bound
 from ..kernels.gemv import ACTS, MatvecGroup
 from .cache import LayerKV
+from .layer_step import bind_layer, layer_step
 from .schedule import run_layer
 from .ops.decode import (add_into, add_norm_into, attend_decode, attends_serially, norm_into, qk_norm_rope,
                          rms_norm_into, rope_append_attend)
@@ -207,7 +208,10 @@ class BlockStep:
                  gate_up.bind(self.h, buf, nt), down.bind(gated if x is None else x, self.f, nt))
         if any(c is None for c in calls):
             return None
-        return (*(prebind(c) for c in calls), scatter)
+        calls = tuple(prebind(c) for c in calls)
+        # the whole layer as one compiled call where it has nothing the fused call leaves out
+        one = scatter is None and at.bias is None and at.attn.ob is None and all(c[0] is run_bound for c in calls)
+        return (*calls, scatter, bind_layer(b, self.h, self.a, self.f, at, calls) if one else None)
 
     def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
         """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
@@ -233,7 +237,15 @@ class BlockStep:
         between them cut to the minimum: run right after the weight stream, that Python finds
         its own objects evicted from cache and cost ~30 µs a layer (~0.2 ms a token saved)."""
         b, at = self.block, self.attn
-        (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args), scatter = calls
+        (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args), scatter, layer = calls
+        if layer is not None:
+            ta = at.attend
+            n = kv.reserve(1)
+            if attends_serially(at.q, n + 1, nt):
+                cos, sin = rope_at(ta.rope, pos)
+                layer_step(layer, x, cos, sin, kv.k, kv.v, n, pos, kv.start)
+                kv.n = n + 1
+                return x
         rms_norm_into(x, b.n_in, b.eps, self.h)
         qkv(*qkv_args)
         if at.bias is not None:
