@@ -6,7 +6,9 @@ matrix; here a dense layer is seven calls into compiled code — q/k/v in one pa
 q/k norm + RoPE + the KV append + attention in one kernel, o, gate/up with the activation in one
 region, down — writing into buffers that live as long as the layer. The fused calls compose the
 operator bodies of ``ops/decode.py`` (the RMSNorm and RoPE that blocks of tokens run too, and
-the one-token attention), never copies of them. Under a task mask on FFN neurons the same calls
+the one-token attention), never copies of them; the common layer binds its products once
+(``kernels/bound.py``) and, where it can, runs as one compiled call (``layer_step.py``). Under a
+task mask on FFN neurons the same calls
 run on the mask's gathered matrices. Features this path does not cover
 (output gates, ``g_proj``, MoE, MLA, linear attention) run the generic code for that part only,
 with identical results.
