@@ -145,6 +145,7 @@ def test_prebound_products_give_the_bound_calls_bits(model, name, int8, monkeypa
             return
         fn, args = prebind(g.bind(x, got, nt))
         assert fn is run_bound and call[0] in KIND_OF and len(args) == 1
+        assert type(numba.typeof(args[0])).driver is call[0]  # the constructor made the driver's kind
         for seed in (4, 5):  # x refilled in place: the bound arguments see it
             x[:] = np.random.default_rng(seed).standard_normal(x.shape)
             call[0](*call[1])

@@ -13,7 +13,7 @@ same results. The structref keeps its arrays alive and writes go to the caller's
 Each driver has its own structref type (``driver`` names it), so compiled code that holds a
 bound product — :func:`run_bound`, or a whole layer (``runtime/layer_step.py``) — calls it
 through :func:`run` and numba picks the driver at compile time. Adding a group kernel: one class
-below, its constructor, and its entry in ``_KINDS``.
+below per driver, its entry in ``_KINDS`` and a constructor at the same place in ``_NEW``.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def _new_q8i_serial(args):  # pragma: no cover - compiled
     return _make(args, 9)
 
 
-_NEW = (_new_tiled, _new_tiled_serial, _new_rows, _new_rows_serial, _new_vbit, _new_vbit_serial, _new_q1, _new_q1_serial, _new_q8i, _new_q8i_serial)  # in _KINDS' order
+_NEW = (_new_tiled, _new_tiled_serial, _new_rows, _new_rows_serial, _new_vbit, _new_vbit_serial,  # _KINDS' order
+        _new_q1, _new_q1_serial, _new_q8i, _new_q8i_serial)
 
 
 def run(b):  # noqa: ANN001, ANN201 - compiled only, through the overload below
