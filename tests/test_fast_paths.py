@@ -122,20 +122,23 @@ def test_groups_of_one_to_three_matrices_share_one_specialization(model, name) -
     assert len(kinds) == 1
 
 
+@pytest.mark.parametrize("act", [None, "silu"])  # q/k/v-like (tiles split as one list) and gate/up
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("name", DTYPES)
-def test_prebound_products_give_the_bound_calls_bits(model, name, int8, monkeypatch) -> None:
+def test_prebound_products_give_the_bound_calls_bits(model, name, int8, act, monkeypatch) -> None:
     """``bound.prebind`` (the token step's calls): the runner computes the call it replaces, bit
-    for bit, on one thread and two, reading the caller's x as it is at each call and writing the
-    caller's buffer; a call without a runner (or none) passes through."""
+    for bit, on one thread and two (which agree: a thread's share of rows changes nothing),
+    reading the caller's x as it is at each call and writing the caller's buffer; a call without
+    a runner (or none) passes through."""
     from cmf.kernels import _jit
     from cmf.kernels.bound import KIND_OF, prebind, run_bound
 
     monkeypatch.setattr(_jit, "PARALLEL_MIN_BYTES", 0)
-    ops = [prepare(model.tensor(f"{name}.a{k}"), int8_activations=int8) for k in range(2)]
-    g = MatvecGroup(ops, act="silu")
+    ops = [prepare(model.tensor(f"{name}.a{k}"), int8_activations=int8) for k in range(3 if act is None else 2)]
+    g = MatvecGroup(ops, act=act)
     assert prebind(None) is None
     x = np.empty((1, ops[0].in_features), np.float32)
+    seen: dict = {}
     for nt in (1, 2):
         want = np.full((1, g.out_features), np.nan, np.float32)
         got = np.full((1, g.out_features), np.nan, np.float32)
@@ -152,6 +155,7 @@ def test_prebound_products_give_the_bound_calls_bits(model, name, int8, monkeypa
             fn(*args)
             assert np.array_equal(got, want), (nt, seed)
             assert not np.isnan(got).any()
+            assert np.array_equal(seen.setdefault(seed, got.copy()), got), (nt, seed)
     other = (np.add, (1, 2))
     assert prebind(other) is other
 

@@ -121,8 +121,21 @@ def q1_group_serial(kinds, tiles, ptrs, ents, X, Y, offs, rows, act, width):  # 
 @numba.njit(**SERIAL_ORDERED)
 def _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
                  Y, offs, nt, j, act, width, has_tail):  # pragma: no cover - compiled
+    # Without an activation the threads split the group's tiles as one list (q/k/v: 9 + 3 + 3
+    # tiles as 8 and 7, not 5+2+2 and 4+1+1); with one, each thread needs the same rows of gate
+    # and up, so each matrix is split alike.
+    total = 0
     for m in range(len(planes)):
-        t0, t1 = _chunk(planes[m].shape[0], nt, j, 1)
+        total += planes[m].shape[0]
+    g0, g1 = _chunk(total, nt, j, 1)
+    base = 0
+    for m in range(len(planes)):
+        n = planes[m].shape[0]
+        if act >= 0:
+            t0, t1 = _chunk(n, nt, j, 1)
+        else:
+            t0, t1 = max(g0 - base, 0), min(g1 - base, n)
+        base += n
         if t1 > t0:  # (a padding slot has no tiles)
             tiles_run(tiles, t0, t1, kinds[m], planes[m], scs16[m], cws[m], lads[m], params[m], exp2tabs[m],
                       readys[m], srcs[m], scss[m], css[m], xp, xs, xv, xd, Y[:, offs[m]:])
