@@ -198,8 +198,9 @@ class BlockStep:
 
     def _bind(self, nt: int, ffn: tuple | None) -> tuple | None:
         """The four products' (function, arguments) with this layer's buffers bound, when the
-        whole layer can run as :meth:`_plain` (``ffn``: the FFN's current products), and the
-        scatter of a masked down's input (or None); else None."""
+        whole layer can run as :meth:`_plain` (``ffn``: the FFN's current products), the
+        scatter of a masked down's input (or None) and the layer's ``layer_step.LayerArgs``
+        when it can run as one compiled call (or None); else None."""
         b, at = self.block, self.attn
         if at is None or ffn is None or b.plan.sandwich or b.n_in is None or b.n_post_attn is None:
             return None
