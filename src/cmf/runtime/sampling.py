@@ -79,6 +79,18 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def top_order(p: np.ndarray, k: int) -> np.ndarray:
+    """The first ``min(k, p.size)`` or more indices of ``np.argsort(-p, kind="stable")`` (largest
+    first, lower index first on ties): every index whose value reaches the k-th largest, sorted.
+    Partitioning, then sorting only those, takes ~0.3 ms for a 49k vocabulary where the full
+    stable sort took 3.7 (docs/PERFORMANCE.md, "Sampling")."""
+    if k >= p.size:
+        return np.argsort(-p, kind="stable")
+    kth = np.partition(p, p.size - k)[p.size - k]
+    cand = np.flatnonzero(p >= kth)  # ascending: a stable sort keeps ties in index order
+    return cand[np.argsort(-p[cand], kind="stable")]
+
+
 def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None) -> Sampler:
     """A sampler; the same seed gives the same sequence of draws."""
@@ -94,17 +106,30 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
         p = softmax(logits / np.float32(temperature))
         if min_p > 0:
             p = np.where(p < min_p * p.max(), 0.0, p)
-        order = np.argsort(-p, kind="stable")
+        first = int(np.argmax(p))  # the most likely token, lowest index on ties
         if top_k and top_k < p.size:
-            p[order[top_k:]] = 0.0
+            keep = top_order(p, top_k)[:top_k]
+            kept = np.zeros_like(p)
+            kept[keep] = p[keep]
+            p = kept
         if top_p < 1.0:
-            sorted_p = p[order]
-            cum = np.cumsum(sorted_p) / sorted_p.sum()
+            # the smallest prefix of the sorted probabilities whose mass reaches top_p; sorted
+            # only as far as needed (a nucleus is usually a few hundred tokens of the vocabulary)
+            total, k = p.sum(), 64
+            while True:
+                order = top_order(p, k)
+                cum = np.cumsum(p[order]) / total
+                if cum[-1] >= top_p or order.size == p.size:
+                    break
+                k *= 8
             cut = int(np.searchsorted(cum, top_p, side="left")) + 1
-            p[order[cut:]] = 0.0
+            if cut < p.size:
+                kept = np.zeros_like(p)
+                kept[order[:cut]] = p[order[:cut]]
+                p = kept
         total = p.sum()
         if total <= 0:
-            return int(order[0])
+            return first
         return int(rng.choice(p.size, p=p / total))
 
     return sample
