@@ -4,14 +4,14 @@ second chat turn's TTFT against the first's on a long history (the prefix cache)
     python benchmarks/server.py [--model FILE.cmf | --models ../shared/models --quant q8]
                                 [--clients 1,4,16,32] [--requests 2] [--max-tokens 128] [--threads N]
                                 [--parallel 32] [--history 1000] [--runs 1] [--exact-act]
-                                [--vllm PYTHON [--alternate ROUNDS]] [--write]
+                                [--vllm PYTHON [--alternate ROUNDS]] [--temperature T] [--write]
 
 ``--model`` serves that file (the issue's: ``cmf import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o
 smol-q8.cmf``); without it ../shared/models/base (a 3.67M-parameter Qwen3) is converted at
 ``--quant``. ``cmf serve`` runs in a subprocess on a loopback port (the clients here do not share
 its GIL). Each client thread sends ``--requests`` streaming chat requests one after the other
-(prompts from texts/*-prompts.txt, greedy, end-of-sequence pushed down by ``logit_bias`` so every
-answer is ``--max-tokens`` long) and times the first content chunk (TTFT) and the whole answer;
+(prompts from texts/*-prompts.txt, greedy unless ``--temperature``, end-of-sequence pushed down by
+``logit_bias`` so every answer is ``--max-tokens`` long) and times the first content chunk (TTFT) and the whole answer;
 tokens are counted from the usage chunk. The reference is ``cmf bench``'s decode rate on the same
 file in this process (before the server starts). The turn test sends a ~``--history``-token
 conversation, then its next turn (the answer and a new question appended), three times on
@@ -124,8 +124,8 @@ def one_request(host: str, port: int, messages: list[dict], max_tokens: int,
                 greedy_eos: bool = False) -> dict[str, float]:
     """One streaming chat request: ttft and total seconds, completion and cached tokens, the
     answer, and the engine's own decode rate (cmf's ``generation_tps``)."""
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": TEMPERATURE,
+            "stream": True, "stream_options": {"include_usage": True}}
     if not greedy_eos:
         body["logit_bias"] = NO_EOS
     conn = http.client.HTTPConnection(host, port, timeout=900)
@@ -166,6 +166,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 _LEVELS = itertools.count()  # every run_level call's number, for prompts no earlier request sent
 UNIQUE_PROMPTS = True  # main() sets it from --repeat-prompts
+TEMPERATURE = 0.0  # main() sets it from --temperature (0: greedy)
 
 
 def run_level(host: str, port: int, clients: int, per_client: int, texts: list[str],
@@ -383,14 +384,19 @@ def main() -> None:
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="with --vllm: also run the highest --clients level on cmf serve and vLLM in turn, ROUNDS "
                          "times with both servers up (median ratio of the rounds)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' temperature (0: greedy; the API's default is 1, sampled per token)")
     ap.add_argument("--write", action="store_true", help="append a dated section to RESULTS.md")
     args = ap.parse_args()
     if args.alternate and not args.vllm:
         ap.error("--alternate compares with vLLM: it needs --vllm PYTHON")
     if args.alternate < 0:
         ap.error("--alternate takes a number of rounds (≥ 1)")
-    global UNIQUE_PROMPTS
+    global UNIQUE_PROMPTS, TEMPERATURE
     UNIQUE_PROMPTS = not args.repeat_prompts
+    if not 0.0 <= args.temperature <= 2.0:
+        ap.error("--temperature must be in [0, 2] (the API's range)")
+    TEMPERATURE = args.temperature
     texts = prompts(Path(args.models))
     levels = [int(c) for c in args.clients.split(",")]
     threads = args.threads or os.cpu_count() or 1
@@ -496,9 +502,11 @@ def main() -> None:
             f"{f' --threads {args.threads}' if args.threads else ''} --ref-rounds {args.ref_rounds}"
             f"{' --exact-act' if args.exact_act else ''}{' --no-llama' if args.no_llama else ''}"
             f"{' --vllm ' + '/'.join(Path(args.vllm).parts[-3:]) if args.vllm else ''}{' --repeat-prompts' if args.repeat_prompts else ''}"
-            f"{f' --alternate {args.alternate}' if args.alternate else ''}`; "
+            f"{f' --alternate {args.alternate}' if args.alternate else ''}"
+            f"{f' --temperature {args.temperature:g}' if args.temperature else ''}`; "
             f"kernel threads: {threads}. {'Every prompt sent once (a unique tag first). ' if not args.repeat_prompts else ''}Streaming chat, "
-            "greedy, end-of-sequence suppressed by logit_bias (every answer max-tokens long); the clients share "
+            f"{f'temperature {args.temperature:g}' if args.temperature else 'greedy'}, end-of-sequence suppressed "
+            "by logit_bias (every answer max-tokens long); the clients share "
             "the machine. aggregate = completion tokens of all requests / wall time of the level; per-stream = "
             "median of one answer's tokens / (its end − its first token); TTFT = first content chunk as the "
             "client sees it (queueing included); engine t/s = the decode rate cmf reports per request. "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cmf.runtime.sampling import make_sampler, softmax, top_order
+from cmf.runtime.sampling import draw, make_sampler, softmax, top_order
 
 
 def _full_sort_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
@@ -67,3 +67,18 @@ def test_sampler_keeps_the_nucleus_only() -> None:
     logits[[5, 99, 500, 7]] = [6.0, 5.5, 5.0, 4.5]
     for seed in range(30):
         assert make_sampler(1.0, top_p=0.9, seed=seed)(logits) in {5, 99, 500, 7}
+
+
+def test_draw_is_numpys_choice() -> None:
+    """``draw`` gives ``Generator.choice``'s index for the same state, vocabulary sizes and shapes
+    of distribution of every kind (many exact zeros, one dominant token, near-uniform)."""
+    rng = np.random.default_rng(3)
+    for trial in range(120):
+        n = int(rng.integers(2, 60000))
+        p = rng.random(n) ** [1, 8, 40][trial % 3]
+        p[rng.random(n) < 0.5] = 0.0
+        p[int(rng.integers(n))] += 1e-6
+        q = p / p.sum()
+        for seed in range(3):
+            a, b = (np.random.Generator(np.random.PCG64(seed)) for _ in range(2))
+            assert [int(a.choice(n, p=q)) for _ in range(3)] == [draw(b, q) for _ in range(3)]

@@ -91,6 +91,16 @@ def top_order(p: np.ndarray, k: int) -> np.ndarray:
     return cand[np.argsort(-p[cand], kind="stable")]
 
 
+def draw(rng: np.random.Generator, q: np.ndarray) -> int:
+    """``rng.choice(q.size, p=q)`` for probabilities known to be valid: numpy's own steps (the
+    normalized cumulative sum, one ``random()``, a right-side search) without its checks of q,
+    which took half of its 0.3 ms over a 49k vocabulary. The same draw for the same generator
+    state (tests/test_sampling.py holds it to ``rng.choice``)."""
+    cdf = q.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
 def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None) -> Sampler:
     """A sampler; the same seed gives the same sequence of draws."""
@@ -130,6 +140,6 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
         total = p.sum()
         if total <= 0:
             return first
-        return int(rng.choice(p.size, p=p / total))
+        return draw(rng, p / total)
 
     return sample
