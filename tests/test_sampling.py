@@ -51,7 +51,8 @@ def test_top_order_is_the_stable_sorts_prefix(ties) -> None:
 
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.999, 0.0),
-                                               (20, 0.9, 0.01), (0, 0.5, 0.05), (3, 0.3, 0.0), (1, 1.0, 0.0)])
+                                               (20, 0.9, 0.01), (0, 0.5, 0.05), (3, 0.3, 0.0), (1, 1.0, 0.0),
+                                               (40, 0.95, 0.0), (100, 0.9, 0.2), (0, 0.9, 0.2), (5000, 0.99, 0.0)])
 def test_sampler_draws_equal_the_full_sort(top_k, top_p, min_p, ties) -> None:
     rng = np.random.default_rng(1)
     fast = make_sampler(0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=7)
@@ -82,3 +83,13 @@ def test_draw_is_numpys_choice() -> None:
         for seed in range(3):
             a, b = (np.random.Generator(np.random.PCG64(seed)) for _ in range(2))
             assert [int(a.choice(n, p=q)) for _ in range(3)] == [draw(b, q) for _ in range(3)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf − inf in the softmax
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_sampler_refuses_non_finite_logits(bad) -> None:
+    logits = np.zeros(100, np.float32)
+    logits[7] = bad
+    for kw in ({}, {"top_p": 0.9}, {"top_k": 5}):
+        with pytest.raises(ValueError, match="NaN or an infinity"):
+            make_sampler(1.0, seed=0, **kw)(logits)

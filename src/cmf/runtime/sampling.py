@@ -117,23 +117,28 @@ def make_sampler(temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0
         if min_p > 0:
             p = np.where(p < min_p * p.max(), 0.0, p)
         first = int(np.argmax(p))  # the most likely token, lowest index on ties
-        if top_k and top_k < p.size:
+        if not np.isfinite(p[first]):  # argmax finds a NaN first; numpy's choice refused these too
+            raise ValueError("cannot sample: the logits hold NaN or an infinity")
+        # orders are taken among the nonzero probabilities only (zeros, from min-p or top-k,
+        # are never kept or drawn; a k-th largest of zero would make every index a candidate)
+        nonzero = int(np.count_nonzero(p)) if top_k or top_p < 1.0 else 0
+        if top_k and top_k < nonzero:
             keep = top_order(p, top_k)[:top_k]
             kept = np.zeros_like(p)
             kept[keep] = p[keep]
-            p = kept
+            p, nonzero = kept, top_k
         if top_p < 1.0:
             # the smallest prefix of the sorted probabilities whose mass reaches top_p; sorted
             # only as far as needed (a nucleus is usually a few hundred tokens of the vocabulary)
-            total, k = p.sum(), 64
+            total, k = p.sum(), max(1, min(64, nonzero))
             while True:
                 order = top_order(p, k)
                 cum = np.cumsum(p[order]) / total
-                if cum[-1] >= top_p or order.size == p.size:
+                if cum[-1] >= top_p or k >= nonzero:
                     break
-                k *= 8
+                k = min(k * 8, nonzero)
             cut = int(np.searchsorted(cum, top_p, side="left")) + 1
-            if cut < p.size:
+            if cut < nonzero:
                 kept = np.zeros_like(p)
                 kept[order[:cut]] = p[order[:cut]]
                 p = kept
