@@ -119,7 +119,8 @@ def _make_impl(args, kind):  # noqa: ANN001, ANN202
 
 # One constructor per kind, each cached by numba (a structref's own Python constructor would
 # compile anew in every process; a kind passed as an argument and made literal re-dispatches
-# slowly on every call).
+# slowly on every call). Written out, not made in a loop: numba keys its cache by a function's
+# name and line, so generated twins would share entries and load each other's kind.
 @numba.njit(**SERIAL)
 def _new_tiled(args):  # pragma: no cover - compiled
     return _make(args, 0)
