@@ -399,15 +399,18 @@ def test_disconnect_frees_the_slot_within_a_step(model_path):
             while eng.waiting < 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
             t0 = time.perf_counter()
+            at_close = eng.snapshot()["steps"]
             sock.close()
             r = waiting.result(timeout=30)
             served_after = time.perf_counter() - t0
         assert r.usage.completion_tokens >= 1
         assert served_after < 20.0, served_after
         after = eng.snapshot()
-        assert after["cancelled"] == before["cancelled"] + 1
-        # the long answer stopped where its client left, far from its 3000 tokens
-        assert after["completion_tokens"] - before["completion_tokens"] - r.usage.completion_tokens < 1500
+        assert after["cancelled"] == before["cancelled"] + 1  # it left before its 3000 tokens
+        # the long answer stopped where its client left: counted in decode steps after the close
+        # (the short request's few included), not in tokens since the start, which grow with the
+        # decode speed while the second client sets itself up
+        assert after["steps"] - at_close < 300, (after["steps"] - at_close, at_close - before["steps"])
     finally:
         _close(*parts)
 
