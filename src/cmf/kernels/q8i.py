@@ -22,7 +22,8 @@ from numba import prange
 
 from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
-from .q8i_ir import GROUP_BYTES, MAX_VECS, ROWS, VECS_PER_PASS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows, quantize_rows
+from .q8i_ir import (GROUP_BYTES, MAX_VECS, ROWS, VECS_PER_PASS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows,
+                     quantize_rows)
 from .vmath import gated_rows
 
 GROUP = 32

@@ -40,11 +40,10 @@ structref.define_boxing(LayerArgsType, LayerArgs)
 
 
 @numba.njit(**_FLAGS)
-def _new(n_in, n_post, eps, h, a, f, q, k, v, qn, kn, att_eps, scale, window, softcap, att, qkv, o, gate_up,
-         down):  # pragma: no cover - compiled
-    """Cached (a structref's own Python constructor compiles anew in every process)."""
-    return LayerArgs(n_in, n_post, eps, h, a, f, q, k, v, qn, kn, att_eps, scale, window, softcap, att, qkv, o,
-                     gate_up, down)
+def _new(*fields):  # pragma: no cover - compiled
+    """A LayerArgs of ``fields`` in ``_FIELDS``' order (cached: a structref's own Python
+    constructor compiles anew in every process)."""
+    return LayerArgs(*fields)
 
 
 def bind_layer(block, h: np.ndarray, a: np.ndarray, f: np.ndarray, attn, calls: tuple) -> LayerArgs:  # noqa: ANN001

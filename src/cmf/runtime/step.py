@@ -69,12 +69,17 @@ class TokenAttention:
         self.kn = attn.kn if attn.kn is not None else _EMPTY
         self.scale, self.window, self.softcap = float(a.scale), int(a.window or 0), float(a.softcap or 0.0)
 
+    def slot(self, q: np.ndarray, kv: LayerKV, pos: int, nt: int) -> tuple:
+        """For a cache that keeps every entry: (cos, sin) at ``pos``, the entry ``n`` the token
+        goes to (room reserved) and whether attention over entries [0, n] runs on this thread."""
+        cos, sin = rope_at(self.rope, pos)
+        n = kv.reserve(1)
+        return cos, sin, n, attends_serially(q, n + 1, nt)
+
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, pos: int, out: np.ndarray,  # noqa: ANN001
                  nt: int) -> None:
-        cos, sin = rope_at(self.rope, pos)
         if type(kv) is LayerKV and kv.window is None:
-            n = kv.reserve(1)
-            serial = attends_serially(q, n + 1, nt)
+            cos, sin, n, serial = self.slot(q, kv, pos, nt)
             rope_append_attend(q, k, v, self.qn, self.kn, self.eps, cos, sin, kv.k, kv.v, n, pos, kv.start,
                                self.scale, self.window, self.softcap, out, serial)
             kv.n = n + 1
@@ -82,6 +87,7 @@ class TokenAttention:
                 attend_decode(q, kv.k[:n + 1], kv.v[:n + 1], pos, kv.start, self.scale, self.window, self.softcap,
                               out, nt)
             return
+        cos, sin = rope_at(self.rope, pos)
         qk_norm_rope(q, k, self.qn, self.kn, self.eps, cos, sin)
         keys, vals, k0 = kv.append(k[None], v[None])
         attend_decode(q, keys, vals, pos, k0, self.scale, self.window, self.softcap, out, nt)
@@ -242,10 +248,8 @@ class BlockStep:
         b, at = self.block, self.attn
         (qkv, qkv_args), (o, o_args), (gate_up, gate_up_args), (down, down_args), scatter, layer = calls
         if layer is not None:
-            ta = at.attend
-            n = kv.reserve(1)
-            if attends_serially(at.q, n + 1, nt):
-                cos, sin = rope_at(ta.rope, pos)
+            cos, sin, n, serial = at.attend.slot(at.q, kv, pos, nt)
+            if serial:
                 layer_step(layer, x, cos, sin, kv.k, kv.v, n, pos, kv.start)
                 kv.n = n + 1
                 return x
