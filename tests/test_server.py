@@ -663,13 +663,15 @@ def test_cli_serves_until_interrupted(model_path, tmp_path):
            "--api-key", KEY, "--max-queue", "4"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        line = ""
-        deadline = time.monotonic() + 60
+        line, seen = "", []
+        deadline = time.monotonic() + 300  # the start's warm-up may compile kernels first
         while "serving" not in line and time.monotonic() < deadline:
             line = proc.stderr.readline()
+            seen.append(line)
             if not line and proc.poll() is not None:
                 break
-        assert "serving cli-model" in line, line
+        assert "serving cli-model" in line, "".join(seen)
+        assert any(ln.startswith("cmf: warmed up in ") for ln in seen), "".join(seen)  # before it serves
         assert "int8 activations, f16 KV cache" in line, line  # the server's defaults on a q8 file
         url = line.split(" on ", 1)[1].split()[0]
         c = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
@@ -683,6 +685,27 @@ def test_cli_serves_until_interrupted(model_path, tmp_path):
         proc.send_signal(2)  # SIGINT, as Ctrl-C
         rest = proc.communicate(timeout=30)[1]
         assert "method=POST path=/v1/chat/completions status=200" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_no_warmup_serves_at_once(model_path):
+    cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--no-warmup"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line, seen = "", []
+        deadline = time.monotonic() + 120
+        while "serving" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            seen.append(line)
+            if not line and proc.poll() is not None:
+                break
+        assert "serving" in line, "".join(seen)
+        assert not any("warm" in ln for ln in seen), "".join(seen)
+        proc.send_signal(2)
+        proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -164,7 +164,7 @@ def _serve(model_path: Path, log_path: Path) -> Iterator[Served]:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:
         url = None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # the start's warm-up may compile kernels first
         while url is None and time.monotonic() < deadline and proc.poll() is None:
             for line in log_path.read_text().splitlines():
                 if "serving" in line and " on " in line:

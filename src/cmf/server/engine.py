@@ -176,6 +176,14 @@ class Engine(Stepping):
                 self._lock.wait(min(left, 0.05))
         return True
 
+    def reset_counters(self) -> None:
+        """Zero the request counters and the step rate (after the start's warm-up, so ``/health``
+        and Retry-After see clients' requests only)."""
+        with self._lock:
+            for key in self.stats:
+                self.stats[key] = 0
+            self._step_rate = 0.0
+
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Run ``fn(model)`` on the worker between two steps (the model is one thread's): the
         hook of work that is not generation (embeddings). ``fn`` may change the selection; the

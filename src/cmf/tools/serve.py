@@ -57,10 +57,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--spec", choices=("auto", "off"), default="auto",
                    help="MTP speculative decoding for greedy requests when the file has an MTP head "
                         "(same tokens, fewer forwards; default auto)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="answer at once, without the start's short warm-up generation (which compiles "
+                        "the kernels on the first start after an install, 10-60 s, instead of making "
+                        "the first request wait)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (access lines are at info)")
     p.set_defaults(run=run)
     return p
+
+
+def _warm_up(engine: Any) -> None:  # noqa: ANN401 - a server Engine (imported lazily)
+    """The start's warm-up (server/warmup.py), said on stderr: it may compile for a minute."""
+    from ..server.warmup import warm_up
+    from ._warmup import compile_clause
+
+    sys.stderr.write("cmf: warming up (a short generation; the first start after an install compiles "
+                     "the CPU kernels, 10-60 s) ...\n")
+    sys.stderr.flush()
+    done = warm_up(engine)
+    note = f"; {compile_clause(done.compile_seconds)}" if done.kernels else ""
+    sys.stderr.write(f"cmf: warmed up in {done.seconds:.1f} s{note}\n")
+    sys.stderr.flush()
 
 
 def server_int8(args: argparse.Namespace) -> bool:
@@ -137,7 +155,13 @@ def run(args: argparse.Namespace) -> int:
                         default_task=args.task, default_skill=args.skill, speculative=args.spec == "auto")
         app = create_app(engine, model_id=model_id, api_key=args.api_key, max_body=args.max_body,
                          stream_interval=max(0.0, args.stream_interval) / 1000)
-        sock = bind(args.host, args.port)
+        sock = bind(args.host, args.port)  # first: a port in use fails before the warm-up
+        if args.warmup:
+            try:
+                _warm_up(engine)
+            except BaseException:
+                sock.close()
+                raise
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         acts = "int8 activations" if int8 else "exact activations"

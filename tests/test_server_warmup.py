@@ -1,0 +1,106 @@
+"""The server's start warm-up (cmf/server/warmup.py): it runs, leaves no trace, and fails clearly."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from server_fixtures import tiny_qwen3  # noqa: E402
+
+import cmf  # noqa: E402
+from cmf.convert import convert  # noqa: E402
+from cmf.format.errors import CmfError  # noqa: E402
+from cmf.server import warmup  # noqa: E402
+from cmf.server.engine import Engine  # noqa: E402
+from cmf.server.jobs import Delta, Failed, Finished, Job  # noqa: E402
+from cmf.server.schemas import Sampling  # noqa: E402
+
+PROMPT = [5, 17, 3, 99, 42, 8]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("warmup")
+    out = root / "tiny.cmf"
+    convert(tiny_qwen3(root / "hf"), out, quant="q8")
+    return out
+
+
+def _answer(engine: Engine, ids: list[int]) -> tuple[str, Finished]:
+    """A greedy 12-token answer to ``ids``: its text and its Finished event."""
+    events: queue.Queue = queue.Queue()
+    engine.submit(Job(list(ids), Sampling(temperature=0.0, ignore_eos=True), 12, events.put))
+    text = []
+    while True:
+        ev = events.get(timeout=120)
+        if isinstance(ev, Delta):
+            text.append(ev.text)
+        elif isinstance(ev, Failed):
+            raise ev.error
+        else:
+            return "".join(text), ev
+
+
+def test_warm_up_runs_the_jobs_and_leaves_no_trace(model_path: Path) -> None:
+    cold_model, warm_model = cmf.load(model_path), cmf.load(model_path)
+    cold, warm = Engine(cold_model, parallel=4), Engine(warm_model, parallel=4)
+    try:
+        done = warmup.warm_up(warm)
+        assert done.seconds > 0 and done.compile_seconds >= 0 and done.kernels >= 0
+        # the counters and the prefix cache start empty, as on an engine that never ran
+        assert all(v == 0 for v in warm.stats.values()), warm.stats
+        assert len(warm.prefix) == 0
+        assert warm.retry_after() == 1
+        # and the first request's answer is the one an engine without a warm-up gives
+        text, fin = _answer(warm, PROMPT)
+        assert (text, fin.completion_tokens) == _answer(cold, PROMPT)[0:1] + (12,)
+        assert fin.cached_tokens == 0
+        assert warm.stats["submitted"] == warm.stats["completed"] == 1
+        assert warm.stats["prompt_tokens"] == len(PROMPT) and warm.stats["completion_tokens"] == 12
+    finally:
+        cold.close()
+        warm.close()
+        cold_model.close()
+        warm_model.close()
+
+
+class _FakeEngine:
+    """An engine whose jobs fail at once (``fail``) or never finish."""
+
+    def __init__(self, fail: BaseException | None) -> None:
+        self.model = SimpleNamespace(plan=SimpleNamespace(vocab=50))
+        self.fail = fail
+        self.jobs: list[Job] = []
+
+    def submit(self, job: Job) -> Job:
+        self.jobs.append(job)
+        if self.fail is not None:
+            threading.Thread(target=job.sink, args=(Failed(self.fail),)).start()
+        return job
+
+
+def test_a_failed_warm_up_names_the_error_and_cancels_the_jobs() -> None:
+    eng = _FakeEngine(RuntimeError("kernel exploded"))
+    with pytest.raises(warmup.WarmUpFailed, match="warm-up generation failed: RuntimeError: kernel exploded"):
+        warmup.warm_up(eng)  # type: ignore[arg-type]
+    assert len(eng.jobs) == warmup.JOBS and all(j.cancelled for j in eng.jobs)
+    assert issubclass(warmup.WarmUpFailed, CmfError)  # the CLI prints one line and exits 2
+
+
+def test_a_warm_up_that_does_not_finish_times_out() -> None:
+    eng = _FakeEngine(None)
+    with pytest.raises(warmup.WarmUpFailed, match=r"did not finish in 0\.2 s"):
+        warmup.warm_up(eng, timeout=0.2)  # type: ignore[arg-type]
+    assert all(j.cancelled for j in eng.jobs)
+
+
+def test_warm_up_prompts_are_distinct_ids_inside_the_vocabulary() -> None:
+    prompts = [warmup._prompt(10, k) for k in range(warmup.JOBS)]
+    assert all(len(p) == warmup.PROMPT_TOKENS and all(0 <= t < 10 for t in p) for p in prompts)
+    assert prompts[0] != prompts[1]
