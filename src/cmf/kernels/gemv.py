@@ -70,7 +70,7 @@ def rows_group(ws, kind, ss, cols, X, Y, offs, rows, nt, act, width):  # pragma:
 @numba.njit(**SERIAL)
 def rows_group_serial(ws, kind, ss, cols, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
     """:func:`rows_group` on the calling thread (no parallel region to start: small products)."""
-    _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, 1, 0, act, width)
+    _rows_chunk(ws, kind, ss, cols, X, Y, offs, rows, np.int64(1), np.int64(0), act, width)
 
 
 @numba.njit(**SERIAL)
@@ -93,7 +93,7 @@ def vbit_group(datas, widths, starts, soffs, X, Y, offs, rows, nt, act, width): 
 @numba.njit(**SERIAL)
 def vbit_group_serial(datas, widths, starts, soffs, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
     """:func:`vbit_group` on the calling thread."""
-    _vbit_chunk(datas, widths, starts, soffs, X, group_sums(X), pair_x(X), Y, offs, rows, 1, 0, act, width)
+    _vbit_chunk(datas, widths, starts, soffs, X, group_sums(X), pair_x(X), Y, offs, rows, np.int64(1), np.int64(0), act, width)
 
 
 @numba.njit(**SERIAL)
@@ -115,7 +115,7 @@ def q1_group(kinds, tiles, ptrs, ents, X, Y, offs, rows, nt, act, width):  # pra
 @numba.njit(**SERIAL)
 def q1_group_serial(kinds, tiles, ptrs, ents, X, Y, offs, rows, act, width):  # pragma: no cover - compiled
     """:func:`q1_group` on the calling thread."""
-    _q1_chunk(kinds, tiles, ptrs, ents, X, group_sums(X), Y, offs, rows, 1, 0, act, width)
+    _q1_chunk(kinds, tiles, ptrs, ents, X, group_sums(X), Y, offs, rows, np.int64(1), np.int64(0), act, width)
 
 
 @numba.njit(**SERIAL_ORDERED)
@@ -183,8 +183,9 @@ def tiled_group_serial(kinds, planes, scs16, cws, lads, params, exp2tabs, readys
     """:func:`tiled_group` on the calling thread."""
     fill_x(X, xp, xs, q8, xd, zero)
     has_tail = _any_tail(tails)
+    # (int64 thread count and index, as tiled_group passes: literals would compile the chunk again, ~4 s)
     _tiled_chunk(kinds, planes, scs16, cws, lads, params, exp2tabs, readys, srcs, scss, css, tiles, xp, xs, xv, xd,
-                 Y, offs, 1, 0, act, width, has_tail)
+                 Y, offs, np.int64(1), np.int64(0), act, width, has_tail)
     if has_tail:
         _tiled_tails(X, kinds, srcs, scss, css, params, exp2tabs, tails, Y, offs, act, width)
 

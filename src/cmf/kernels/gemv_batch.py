@@ -68,7 +68,7 @@ def rows_group_batch(ws, kind, ss, cols, X, Y, offs, rows, nt, act, width, paire
 @numba.njit(**SERIAL)
 def rows_group_batch_serial(ws, kind, ss, cols, X, Y, offs, rows, act, width, paired):  # pragma: no cover
     """:func:`rows_group_batch` on the calling thread."""
-    _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, 1, 0, act, width, paired)
+    _batch_chunk(ws, kind, ss, cols, X, Y, offs, rows, np.int64(1), np.int64(0), act, width, paired)
 
 
 class BatchGroup:

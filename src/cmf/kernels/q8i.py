@@ -100,7 +100,8 @@ def block_rows(planes, s, xv, xc, d, Y, b0, b1, acc):  # pragma: no cover - comp
             sb = np.zeros(ROWS, np.float32)
             sb[:m] = s[r0:r0 + m]
             buf = np.empty((Y.shape[0], ROWS), np.float32)
-            _one_block(planes, sb, xv, xc, d, buf, blk, acc)
+            # (a column slice, 'A' like Y's slices: a 'C' buffer would compile _one_block again)
+            _one_block(planes, sb, xv, xc, d, buf[:, 0:ROWS], blk, acc)
             Y[:, r0:r0 + m] = buf[:, :m]
 
 
@@ -177,7 +178,7 @@ def group_par(planes, ss, X, xq, xv, xc, d, Y, offs, sizes, nt, act, width):  # 
 def group_serial(planes, ss, X, xq, xv, xc, d, Y, offs, sizes, act, width):  # pragma: no cover - compiled
     """:func:`group_par` on the calling thread."""
     quantize(X, xq, d, xc)
-    _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, 1, 0, act, width)
+    _group_chunk(planes, ss, xv, xc, d, Y, offs, sizes, np.int64(1), np.int64(0), act, width)
 
 
 SLOTS = 3  # matrices per group call (padded: one compiled specialization, as gemv.GROUP_SLOTS)

@@ -62,8 +62,9 @@ def layer_step(L, x, cos, sin, K, V, n, pos, k0):  # pragma: no cover - compiled
     attention over cache entries [0, n] (entry n written here) on this thread."""
     rms_norm_into(x, L.n_in, L.eps, L.h)
     run(L.qkv)
+    # (np.bool_: a literal True would compile the attention again beside the bool-typed callers, ~5 s)
     rope_append_attend(L.q, L.k, L.v, L.qn, L.kn, L.att_eps, cos, sin, K, V, n, pos, k0, L.scale, L.window,
-                       L.softcap, L.att, True)
+                       L.softcap, L.att, np.bool_(True))
     run(L.o)
     add_norm_into(x, L.a, L.n_post, L.eps, L.h)
     run(L.gate_up)
