@@ -658,18 +658,24 @@ def test_app_reports_its_activations(model_path):
             model.close()
 
 
+def _stderr_until_serving(proc: subprocess.Popen, seconds: float) -> list[str]:
+    """The lines ``cmf serve`` wrote to stderr up to its ``serving ... on URL`` line (the last)."""
+    seen = [""]
+    deadline = time.monotonic() + seconds
+    while "serving" not in seen[-1] and time.monotonic() < deadline:
+        seen.append(proc.stderr.readline())
+        if not seen[-1] and proc.poll() is not None:
+            break
+    return seen
+
+
 def test_cli_serves_until_interrupted(model_path, tmp_path):
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--alias", "cli-model",
            "--api-key", KEY, "--max-queue", "4"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        line, seen = "", []
-        deadline = time.monotonic() + 300  # the start's warm-up may compile kernels first
-        while "serving" not in line and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            seen.append(line)
-            if not line and proc.poll() is not None:
-                break
+        seen = _stderr_until_serving(proc, 300)  # the start's warm-up may compile kernels first
+        line = seen[-1]
         assert "serving cli-model" in line, "".join(seen)
         assert any(ln.startswith("cmf: warmed up in ") for ln in seen), "".join(seen)  # before it serves
         assert "int8 activations, f16 KV cache" in line, line  # the server's defaults on a q8 file
@@ -695,14 +701,8 @@ def test_cli_no_warmup_serves_at_once(model_path):
     cmd = [sys.executable, "-m", "cmf", "serve", str(model_path), "--port", "0", "--no-warmup"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        line, seen = "", []
-        deadline = time.monotonic() + 120
-        while "serving" not in line and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            seen.append(line)
-            if not line and proc.poll() is not None:
-                break
-        assert "serving" in line, "".join(seen)
+        seen = _stderr_until_serving(proc, 120)
+        assert "serving" in seen[-1], "".join(seen)
         assert not any("warm" in ln for ln in seen), "".join(seen)
         proc.send_signal(2)
         proc.communicate(timeout=30)

@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(same tokens, fewer forwards; default auto)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="answer at once, without the start's short warm-up generation (which compiles "
-                        "the kernels on the first start after an install, 10-60 s, instead of making "
+                        "the kernels on the first start after an install, up to ~2 min, instead of making "
                         "the first request wait)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (access lines are at info)")
@@ -73,7 +73,7 @@ def _warm_up(engine: Any) -> None:  # noqa: ANN401 - a server Engine (imported l
     from ._warmup import compile_clause
 
     sys.stderr.write("cmf: warming up (a short generation; the first start after an install compiles "
-                     "the CPU kernels, 10-60 s) ...\n")
+                     "the CPU kernels, up to ~2 min) ...\n")
     sys.stderr.flush()
     done = warm_up(engine)
     note = f"; {compile_clause(done.compile_seconds)}" if done.kernels else ""
