@@ -32,10 +32,10 @@ def model_path(tmp_path_factory) -> Path:
     return out
 
 
-def _answer(engine: Engine, ids: list[int]) -> tuple[str, Finished]:
-    """A greedy 12-token answer to ``ids``: its text and its Finished event."""
+def _answer(engine: Engine, ids: list[int], tokens: int = 12) -> tuple[str, Finished]:
+    """A greedy answer of ``tokens`` tokens to ``ids``: its text and its Finished event."""
     events: queue.Queue = queue.Queue()
-    engine.submit(Job(list(ids), Sampling(temperature=0.0, ignore_eos=True), 12, events.put))
+    engine.submit(Job(list(ids), Sampling(temperature=0.0, ignore_eos=True), tokens, events.put))
     text = []
     while True:
         ev = events.get(timeout=120)
@@ -70,11 +70,28 @@ def test_warm_up_runs_the_jobs_and_leaves_no_trace(model_path: Path) -> None:
         warm_model.close()
 
 
+@pytest.mark.parametrize("ctx", [2, 5, 12])
+def test_warm_up_fits_a_small_context(model_path: Path, ctx: int) -> None:
+    model = cmf.load(model_path, ctx_size=ctx)
+    eng = Engine(model, parallel=4)
+    try:
+        assert eng.max_sequence_tokens == ctx
+        done = warmup.warm_up(eng)
+        assert done.seconds > 0
+        assert all(v == 0 for v in eng.stats.values()), eng.stats
+        text, fin = _answer(eng, PROMPT[:1], ctx - 1)  # the server still answers within the context
+        assert fin.completion_tokens == ctx - 1
+    finally:
+        eng.close()
+        model.close()
+
+
 class _FakeEngine:
     """An engine whose jobs fail at once (``fail``) or never finish."""
 
     def __init__(self, fail: BaseException | None) -> None:
         self.model = SimpleNamespace(plan=SimpleNamespace(vocab=50))
+        self.max_sequence_tokens = 100
         self.fail = fail
         self.jobs: list[Job] = []
 
@@ -98,6 +115,13 @@ def test_a_warm_up_that_does_not_finish_times_out() -> None:
     with pytest.raises(warmup.WarmUpFailed, match=r"did not finish in 0\.2 s"):
         warmup.warm_up(eng, timeout=0.2)  # type: ignore[arg-type]
     assert all(j.cancelled for j in eng.jobs)
+
+
+def test_no_warm_up_where_no_request_fits() -> None:
+    eng = _FakeEngine(RuntimeError("must not run"))
+    eng.max_sequence_tokens = 1
+    assert warmup.warm_up(eng) == warmup.WarmUp(0.0, 0.0, 0)  # type: ignore[arg-type]
+    assert eng.jobs == []
 
 
 def test_warm_up_prompts_are_distinct_ids_inside_the_vocabulary() -> None:

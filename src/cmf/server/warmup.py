@@ -61,9 +61,16 @@ def warm_up(engine: Engine, timeout: float = TIMEOUT) -> WarmUp:
     compiling.install()
     before = compiling.totals()
     start = time.perf_counter()
+    # A sequence holds at most ``limit`` positions (the context, or less under --kv-budget): the
+    # jobs shrink to fit it, as a request must; below 2 no request can run, so nothing to warm.
+    limit = engine.max_sequence_tokens
+    if limit < 2:
+        return WarmUp(0.0, 0.0, 0)
+    n_prompt = min(PROMPT_TOKENS, max(1, limit - max(MAX_TOKENS)))
     events: queue.Queue = queue.Queue()
     vocab = engine.model.plan.vocab
-    jobs = [engine.submit(Job(_prompt(vocab, k), Sampling(temperature=0.0, ignore_eos=True), n, events.put))
+    jobs = [engine.submit(Job(_prompt(vocab, k)[:n_prompt], Sampling(temperature=0.0, ignore_eos=True),
+                              min(n, limit - n_prompt), events.put))
             for k, n in enumerate(MAX_TOKENS)]
     deadline = time.monotonic() + timeout
     left = len(jobs)
