@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
@@ -16,6 +17,7 @@ from server_fixtures import tiny_qwen3  # noqa: E402
 import cmf  # noqa: E402
 from cmf.convert import convert  # noqa: E402
 from cmf.format.errors import CmfError  # noqa: E402
+from cmf.format.growth import append  # noqa: E402
 from cmf.server import warmup  # noqa: E402
 from cmf.server.engine import Engine  # noqa: E402
 from cmf.server.jobs import Delta, Failed, Finished, Job  # noqa: E402
@@ -86,12 +88,35 @@ def test_warm_up_fits_a_small_context(model_path: Path, ctx: int) -> None:
         model.close()
 
 
+def test_warm_up_runs_the_default_skill(model_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "skilled.cmf"
+    path.write_bytes(model_path.read_bytes())
+    plain = cmf.load(model_path)
+    vocab = plain.plan.vocab
+    plain.close()
+    head = (np.random.default_rng(7).standard_normal((vocab, 64)) * 0.3).astype("<f4")
+    append(path, [("skill.terse.lm_head.weight", "f32", head.shape, head.tobytes())],
+           {"skills": [{"id": "terse", "name": "Terse", "layers": []}]})
+    model = cmf.load(path)
+    eng = Engine(model, default_skill="terse")
+    submitted: list[Job] = []
+    submit = eng.submit
+    eng.submit = lambda job: submitted.append(job) or submit(job)  # type: ignore[method-assign]
+    try:
+        warmup.warm_up(eng)
+        assert [j.skill for j in submitted] == ["terse", "terse"] and all(j.state == "done" for j in submitted)
+    finally:
+        eng.close()
+        model.close()
+
+
 class _FakeEngine:
     """An engine whose jobs fail at once (``fail``) or never finish."""
 
     def __init__(self, fail: BaseException | None) -> None:
         self.model = SimpleNamespace(plan=SimpleNamespace(vocab=50))
         self.max_sequence_tokens = 100
+        self.default_task, self.default_skill = None, "auto"
         self.fail = fail
         self.jobs: list[Job] = []
 
@@ -107,6 +132,7 @@ def test_a_failed_warm_up_names_the_error_and_cancels_the_jobs() -> None:
     with pytest.raises(warmup.WarmUpFailed, match="warm-up generation failed: RuntimeError: kernel exploded"):
         warmup.warm_up(eng)  # type: ignore[arg-type]
     assert len(eng.jobs) == warmup.JOBS and all(j.cancelled for j in eng.jobs)
+    assert all(j.skill is None for j in eng.jobs)  # a default skill of "auto": the backbone
     assert issubclass(warmup.WarmUpFailed, CmfError)  # the CLI prints one line and exits 2
 
 

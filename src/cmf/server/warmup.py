@@ -69,8 +69,11 @@ def warm_up(engine: Engine, timeout: float = TIMEOUT) -> WarmUp:
     n_prompt = min(PROMPT_TOKENS, max(1, limit - max(MAX_TOKENS)))
     events: queue.Queue = queue.Queue()
     vocab = engine.model.plan.vocab
+    # The server's default selection, as a request that names none runs ("auto" routes on a prompt
+    # the warm-up does not have: the backbone then).
+    skill = None if engine.default_skill == "auto" else engine.default_skill
     jobs = [engine.submit(Job(_prompt(vocab, k)[:n_prompt], Sampling(temperature=0.0, ignore_eos=True),
-                              min(n, limit - n_prompt), events.put))
+                              min(n, limit - n_prompt), events.put, task=engine.default_task, skill=skill))
             for k, n in enumerate(MAX_TOKENS)]
     deadline = time.monotonic() + timeout
     left = len(jobs)
