@@ -88,6 +88,18 @@ def test_warm_up_fits_a_small_context(model_path: Path, ctx: int) -> None:
         model.close()
 
 
+@pytest.mark.parametrize("max_queue", [0, 4])
+def test_warm_up_with_one_sequence_at_a_time(model_path: Path, max_queue: int) -> None:
+    model = cmf.load(model_path)
+    eng = Engine(model, parallel=1, max_queue=max_queue)
+    try:
+        assert warmup.warm_up(eng).seconds > 0
+        assert all(v == 0 for v in eng.stats.values()), eng.stats
+    finally:
+        eng.close()
+        model.close()
+
+
 def test_warm_up_runs_the_default_skill(model_path: Path, tmp_path: Path) -> None:
     path = tmp_path / "skilled.cmf"
     path.write_bytes(model_path.read_bytes())
@@ -117,6 +129,7 @@ class _FakeEngine:
         self.model = SimpleNamespace(plan=SimpleNamespace(vocab=50))
         self.max_sequence_tokens = 100
         self.default_task, self.default_skill = None, "auto"
+        self.parallel = 4
         self.fail = fail
         self.jobs: list[Job] = []
 
@@ -134,6 +147,17 @@ def test_a_failed_warm_up_names_the_error_and_cancels_the_jobs() -> None:
     assert len(eng.jobs) == warmup.JOBS and all(j.cancelled for j in eng.jobs)
     assert all(j.skill is None for j in eng.jobs)  # a default skill of "auto": the backbone
     assert issubclass(warmup.WarmUpFailed, CmfError)  # the CLI prints one line and exits 2
+
+
+def test_a_warm_up_on_a_closed_engine_fails_clearly(model_path: Path) -> None:
+    model = cmf.load(model_path)
+    eng = Engine(model)
+    eng.close()
+    try:
+        with pytest.raises(warmup.WarmUpFailed, match="could not start: the engine is shut down"):
+            warmup.warm_up(eng)
+    finally:
+        model.close()
 
 
 def test_a_warm_up_that_does_not_finish_times_out() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..format.errors import CmfError
 from ..kernels import compiling
 from .engine import Engine
-from .jobs import Failed, Finished, Job
+from .jobs import EngineClosed, Failed, Finished, Job, QueueFull
 from .schemas import Sampling
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,31 @@ def _prompt(vocab: int, k: int) -> list[int]:
     return [(1 + k * PROMPT_TOKENS + i) % vocab for i in range(PROMPT_TOKENS)]
 
 
+def _run(engine: Engine, jobs: list[Job], events: queue.Queue, deadline: float, timeout: float) -> None:
+    """Submit ``jobs`` and wait until each has finished; on a failure or past ``deadline`` cancel
+    them and raise :class:`WarmUpFailed`."""
+    left = len(jobs)
+    try:
+        for job in jobs:
+            try:
+                engine.submit(job)
+            except (QueueFull, EngineClosed) as exc:
+                raise WarmUpFailed(f"the warm-up generation could not start: {exc}") from exc
+        while left:
+            try:
+                ev = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise WarmUpFailed(f"the warm-up generation did not finish in {timeout:g} s") from None
+            if isinstance(ev, Failed):
+                raise WarmUpFailed(f"the warm-up generation failed: {type(ev.error).__name__}: {ev.error}") from ev.error
+            if isinstance(ev, Finished):
+                left -= 1
+    finally:
+        if left:
+            for job in jobs:
+                job.cancel()
+
+
 def warm_up(engine: Engine, timeout: float = TIMEOUT) -> WarmUp:
     """Run :data:`JOBS` greedy jobs through ``engine`` and wait for them; then empty its prefix cache
     and reset its counters and the model's routing statistics. Raises :class:`WarmUpFailed` when a
@@ -72,25 +97,14 @@ def warm_up(engine: Engine, timeout: float = TIMEOUT) -> WarmUp:
     # The server's default selection, as a request that names none runs ("auto" routes on a prompt
     # the warm-up does not have: the backbone then).
     skill = None if engine.default_skill == "auto" else engine.default_skill
-    jobs = [engine.submit(Job(_prompt(vocab, k)[:n_prompt], Sampling(temperature=0.0, ignore_eos=True),
-                              min(n, limit - n_prompt), events.put, task=engine.default_task, skill=skill))
-            for k, n in enumerate(MAX_TOKENS)]
+    jobs = [Job(_prompt(vocab, k)[:n_prompt], Sampling(temperature=0.0, ignore_eos=True), min(n, limit - n_prompt),
+                events.put, task=engine.default_task, skill=skill) for k, n in enumerate(MAX_TOKENS)]
     deadline = time.monotonic() + timeout
-    left = len(jobs)
-    try:
-        while left:
-            try:
-                ev = events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise WarmUpFailed(f"the warm-up generation did not finish in {timeout:g} s") from None
-            if isinstance(ev, Failed):
-                raise WarmUpFailed(f"the warm-up generation failed: {type(ev.error).__name__}: {ev.error}") from ev.error
-            if isinstance(ev, Finished):
-                left -= 1
-    finally:
-        if left:
-            for job in jobs:
-                job.cancel()
+    # Together where two sequences may run at once; one after the other under --parallel 1 (where
+    # the second could not even queue with --max-queue 0, and no step batches two anyway).
+    rounds = [jobs] if engine.parallel >= 2 else [[job] for job in jobs]
+    for batch in rounds:
+        _run(engine, batch, events, deadline, timeout)
     engine.wait_idle(timeout=max(1.0, deadline - time.monotonic()))
     engine.call(lambda model: model.reset_route_stats()).result(timeout=60)
     engine.prefix.clear()
