@@ -81,6 +81,22 @@ def _warm_up(engine: Any) -> None:  # noqa: ANN401 - a server Engine (imported l
     sys.stderr.flush()
 
 
+def _announcing_server(base: type, config: Any, line: str) -> Any:  # noqa: ANN401 - uvicorn's, imported lazily
+    """A uvicorn ``Server`` that writes ``line`` (the ``serving ... on URL`` line) once it has
+    started: uvicorn's Ctrl-C handlers are in place by then, so a client or supervisor that waits
+    for the line can stop the server with SIGINT at once (sent earlier, it could be lost in
+    asyncio's start-up and leave the server running)."""
+
+    class AnnouncingServer(base):  # type: ignore[misc, valid-type]
+        async def startup(self, sockets: Any = None) -> None:  # noqa: ANN401
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+
+    return AnnouncingServer(config)
+
+
 def server_int8(args: argparse.Namespace) -> bool:
     """Whether the server runs int8 activations: on unless ``--exact-act`` or ``CMF_INT8_ACT`` set
     to 0/false/off/no (``--int8-act`` says so explicitly). The one-stream commands keep exact
@@ -165,9 +181,8 @@ def run(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         acts = "int8 activations" if int8 else "exact activations"
-        sys.stderr.write(sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}, parallel "
-                                  f"{args.parallel}, {acts}, {kv_cache} KV cache) on http://{shown}:{port}/v1 (Ctrl-C stops)") + "\n")
-        sys.stderr.flush()
+        line = sanitize(f"cmf: serving {model_id} ({Path(path).name}, ctx {model.ctx_size}, parallel "
+                        f"{args.parallel}, {acts}, {kv_cache} KV cache) on http://{shown}:{port}/v1 (Ctrl-C stops)")
         import uvicorn
 
         from ..server.protocol import GuardedH11Protocol  # request-head deadline, JSON 400s
@@ -175,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, log_level=level, access_log=False, log_config=None, lifespan="off",
                                 timeout_graceful_shutdown=5, http=GuardedH11Protocol)
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            _announcing_server(uvicorn.Server, config, line).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a normal stop
             pass
         finally:
