@@ -41,3 +41,12 @@ def tiny_qwen3(folder: Path, seed: int = 0) -> Path:
     (folder / "config.json").write_text(json.dumps(cfg))
     H.train_tokenizer(folder)
     return folder
+
+
+def tiny_qwen3_cmf(root: Path, quant: str = "q8") -> Path:
+    """:func:`tiny_qwen3` under ``root/hf``, converted to ``root/tiny-<quant>.cmf``."""
+    from cmf.convert import convert
+
+    out = root / f"tiny-{quant}.cmf"
+    convert(tiny_qwen3(root / "hf"), out, quant=quant)
+    return out

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server_fixtures import tiny_qwen3
-
-from cmf.convert import convert
+from server_fixtures import tiny_qwen3_cmf
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +57,7 @@ def _same_but_literal_or_layout(a: list[str], b: list[str]) -> bool:
 
 @pytest.mark.parametrize("quant,acts", [("q4tp", "exact"), ("q4tp", "int8"), ("q8", "int8")])
 def test_no_kernel_compiles_twice(tmp_path: Path, quant: str, acts: str) -> None:
-    path = tmp_path / f"tiny-{quant}.cmf"
-    convert(tiny_qwen3(tmp_path / "hf"), path, quant=quant)
+    path = tiny_qwen3_cmf(tmp_path, quant)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     out = subprocess.run([sys.executable, "-c", PROBE, str(path), acts], env=env, capture_output=True, text=True,
                          timeout=1200, check=True).stdout

@@ -21,10 +21,9 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from server_fixtures import tiny_qwen3  # noqa: E402
+from server_fixtures import tiny_qwen3_cmf  # noqa: E402
 
 import cmf  # noqa: E402
-from cmf.convert import convert  # noqa: E402
 from cmf.server.app import ServerThread, create_app  # noqa: E402
 from cmf.server.engine import Engine  # noqa: E402
 
@@ -33,10 +32,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tempe
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("stale")
-    out = root / "built.cmf"
-    convert(tiny_qwen3(root / "hf"), out, quant="q8")
-    return out
+    return tiny_qwen3_cmf(tmp_path_factory.mktemp("stale"))
 
 
 def call(s: ServerThread, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:

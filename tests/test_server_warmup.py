@@ -12,10 +12,9 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from server_fixtures import tiny_qwen3  # noqa: E402
+from server_fixtures import tiny_qwen3_cmf  # noqa: E402
 
 import cmf  # noqa: E402
-from cmf.convert import convert  # noqa: E402
 from cmf.format.errors import CmfError  # noqa: E402
 from cmf.format.growth import append  # noqa: E402
 from cmf.server import warmup  # noqa: E402
@@ -28,10 +27,7 @@ PROMPT = [5, 17, 3, 99, 42, 8]
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("warmup")
-    out = root / "tiny.cmf"
-    convert(tiny_qwen3(root / "hf"), out, quant="q8")
-    return out
+    return tiny_qwen3_cmf(tmp_path_factory.mktemp("warmup"))
 
 
 def _answer(engine: Engine, ids: list[int], tokens: int = 12) -> tuple[str, Finished]:
