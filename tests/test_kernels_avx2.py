@@ -301,3 +301,47 @@ def test_only_ladders_with_exact_increments_take_the_fma_form() -> None:
     assert not q4._increments_exact(0, tile(np.inf, 1.1))
     assert not q4._increments_exact(0, tile(np.nan, 1.1))
     assert not q4._increments_exact(0, tile(1e37, 1.5))  # the top rung overflows
+
+
+SPILLS = """
+import re, sys, numpy as np
+from cmf.format.reader import open as o
+from cmf.kernels import int_dot, prepare, q4
+op = prepare(o(sys.argv[1]).tensor("q4tp"))
+rng = np.random.default_rng(0)
+for t in (1, 64):  # the one-token tile loop, then a prefill block
+    op(rng.standard_normal((t, op.in_features)).astype(np.float32))
+out = [int_dot.DOT_PATH]
+for fn in (q4.tiles_run, q4.tiles_block):
+    asm = fn.inspect_asm(fn.signatures[0]).splitlines()
+    at = [i for i, line in enumerate(asm) if "vpdpbusd" in line]
+    body = asm[at[0]:at[-1]]
+    out.append(sum(bool(re.search(r"\\(%rsp\\)", line)) and "zmm" in line for line in body))
+print(*out)
+"""
+
+
+@pytest.mark.skipif(int_dot.DOT_PATH != "vnni512", reason="needs a CPU with AVX-512 VNNI (the tile loops are run)")
+def test_exact_tile_loops_keep_their_vectors_in_registers(tmp_path) -> None:
+    """The exact-mode (three-piece) 512-bit tile product inside the decode and prefill tile loops
+    holds its accumulators and broadcast activations in zmm registers: broadcasting all 24 of a
+    tile-group's activations up front spilled a third of them to the stack in both loops, and
+    SmolLM2 q4tp exact prefill ran ~9% slower (docs/PERFORMANCE.md, "The 512-bit tile dot's
+    broadcasts")."""
+    import cmf.quant as q
+    from cmf.format.writer import CmfWriter
+
+    from _builders import header
+
+    w = (np.random.default_rng(3).standard_normal((128, 256)) * 0.05).astype(np.float32)
+    path = tmp_path / "m.cmf"
+    with CmfWriter(path, header()) as wr:
+        wr.add("q4tp", "q4tp", w.shape, q.encode(w, "q4tp"))
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # compiled here, so its assembly is there to read
+    out = subprocess.run([sys.executable, "-c", SPILLS, str(path)], env=dict(os.environ, **env),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, *moves = out.stdout.split()
+    # zmm moves to or from the stack between the loop's first and last vpdpbusd: 21 (decode) and
+    # 18 (prefill) with the broadcasts up front, 0 and 1 with each word's own
+    assert path == "vnni512" and all(int(m) <= 2 for m in moves), moves

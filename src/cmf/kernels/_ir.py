@@ -301,13 +301,16 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 # independent vpdpbusd chains in flight (32 zmm registers hold them). Block by
                 # block (the AVX2 order below) leaves pieces chains of 8 dependent vpdpbusd:
                 # SmolLM2 q4tp decode 0.80×, prefill 0.79× (benchmarks/ab.py, RESULTS.md).
-                splat = [[_splat(builder, x, v16) for x in xj] for xj in load_xs()]
                 acc = [[ir.Constant(v16, [0] * 16)] * 4 for _ in range(pieces)]
                 for w in range(width // 4):
+                    # this word's broadcast x only (loaded here): all of a tile-group's
+                    # 4·pieces·phases broadcasts at once spilled a third of them
+                    splat = [[_splat(builder, builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
+                        _I64, words * j + w * phases + p)))), v16) for p in range(phases)] for j in range(pieces)]
                     for c in range(4):
                         for p, codes in enumerate(codes_of(w, c)):
                             for j in range(pieces):
-                                acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][w * phases + p])
+                                acc[j][c] = int_dot.vnni512_acc(builder, acc[j][c], codes, splat[j][p])
                 for c in range(4):
                     store(c, [acc[j][c] for j in range(pieces)])
             else:  # block by block: a block's code vectors and its piece sums fit AVX2's 16 registers,
