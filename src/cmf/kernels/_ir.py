@@ -278,10 +278,12 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
             v16 = ir.VectorType(_I32, 16)
             msk = ir.Constant(v16, [field] * 16)
 
-            def load_xs() -> list:  # xs[j][k]: piece j's four int8 activations (an i32) for code vector k
-                return [[builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
-                    _I64, words * j + w * phases + p)))) for w in range(width // 4) for p in range(phases)]
-                    for j in range(pieces)]
+            def x_at(j: int, w: int, p: int) -> ir.Value:  # piece j's four int8 activations (an i32), word w, phase p
+                at = builder.add(args[3], ir.Constant(_I64, words * j + w * phases + p))
+                return builder.load(cgutils.gep(builder, xp, at))
+
+            def load_xs() -> list:  # xs[j][k]: piece j's activations for code vector k = w·phases + p
+                return [[x_at(j, w, p) for w in range(width // 4) for p in range(phases)] for j in range(pieces)]
 
             def codes_of(w: int, c: int) -> list:  # word w of rows 16c .. 16c + 15, one vector per phase
                 at = builder.add(args[1], ir.Constant(_I64, 256 * w + 64 * c))
@@ -305,8 +307,7 @@ def _make_tile_dot_i8(width: int, pieces: int = 1, path: str | None = None):  # 
                 for w in range(width // 4):
                     # this word's broadcast x only (loaded here): all of a tile-group's
                     # 4·pieces·phases broadcasts at once spilled a third of them
-                    splat = [[_splat(builder, builder.load(cgutils.gep(builder, xp, builder.add(args[3], ir.Constant(
-                        _I64, words * j + w * phases + p)))), v16) for p in range(phases)] for j in range(pieces)]
+                    splat = [[_splat(builder, x_at(j, w, p), v16) for p in range(phases)] for j in range(pieces)]
                     for c in range(4):
                         for p, codes in enumerate(codes_of(w, c)):
                             for j in range(pieces):
