@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -81,12 +82,12 @@ def test_the_chosen_path_is_the_fastest_the_target_has() -> None:
     assert q4.EXACT_PIECES == (3 if int_dot.DOT_PATH != "portable" else 0)
 
 
-def _probe(env: dict, code: str) -> str:
+def _probe(env: dict, code: str, *args: str) -> str:
     full = dict(os.environ, **env)
     for k in ("CMF_DOT_PATH", "CMF_NO_VNNI"):
         if k not in env:
             full.pop(k, None)
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1]
 
@@ -133,22 +134,29 @@ def test_each_x86_path_compiles_to_its_instructions(cpu: str, want: str, tmp_pat
     assert _probe(env, ASM) == want
 
 
-def test_int8_products_match_the_portable_path_bit_for_bit(tmp_path) -> None:
-    """A whole q4tp / q1t product with int8 activations: this process's path against the
-    portable one in a fresh process (same integer sums, same float epilogue)."""
+def _file_of(tmp_path: Path, w: np.ndarray, names: tuple) -> Path:
+    """A CMF file ``tmp_path/m.cmf`` holding ``w`` encoded as each dtype in ``names`` (tensors
+    named after their dtype)."""
     import cmf.quant as q
-    from cmf.format.reader import open as cmf_open
     from cmf.format.writer import CmfWriter
-    from cmf.kernels import prepare
 
     from _builders import header
 
-    rng = np.random.default_rng(9)
-    w = (rng.standard_normal((136, 256)) * 0.05).astype(np.float32)
     path = tmp_path / "m.cmf"
     with CmfWriter(path, header()) as wr:
-        for name in ("q4tp", "q1t"):
+        for name in names:
             wr.add(name, name, w.shape, q.encode(w, name))
+    return path
+
+
+def test_int8_products_match_the_portable_path_bit_for_bit(tmp_path) -> None:
+    """A whole q4tp / q1t product with int8 activations: this process's path against the
+    portable one in a fresh process (same integer sums, same float epilogue)."""
+    from cmf.format.reader import open as cmf_open
+    from cmf.kernels import prepare
+
+    rng = np.random.default_rng(9)
+    path = _file_of(tmp_path, (rng.standard_normal((136, 256)) * 0.05).astype(np.float32), ("q4tp", "q1t"))
     x = rng.standard_normal((2, 256)).astype(np.float32)
     f = cmf_open(path)
     try:
@@ -328,20 +336,10 @@ def test_exact_tile_loops_keep_their_vectors_in_registers(tmp_path) -> None:
     tile-group's activations up front spilled a third of them to the stack in both loops, and
     SmolLM2 q4tp exact prefill ran ~9% slower (docs/PERFORMANCE.md, "Back on the Zen 4 host, and
     the 512-bit tile dot's broadcasts")."""
-    import cmf.quant as q
-    from cmf.format.writer import CmfWriter
-
-    from _builders import header
-
     w = (np.random.default_rng(3).standard_normal((128, 256)) * 0.05).astype(np.float32)
-    path = tmp_path / "m.cmf"
-    with CmfWriter(path, header()) as wr:
-        wr.add("q4tp", "q4tp", w.shape, q.encode(w, "q4tp"))
-    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # compiled here, so its assembly is there to read
-    out = subprocess.run([sys.executable, "-c", SPILLS, str(path)], env=dict(os.environ, **env),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    dot_path, *moves = out.stdout.split()
+    path = _file_of(tmp_path, w, ("q4tp",))
+    # a fresh cache: compiled in that process, so its assembly is there to read
+    dot_path, *moves = _probe({"NUMBA_CACHE_DIR": str(tmp_path / "numba")}, SPILLS, str(path)).split()
     # zmm moves to or from the stack between the loop's first and last vpdpbusd: 21 (decode) and
     # 18 (prefill) with the broadcasts up front, 0 and 1 with each word's own
     assert dot_path == "vnni512" and len(moves) == 2 and all(int(m) <= 2 for m in moves), moves
