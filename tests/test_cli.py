@@ -92,8 +92,16 @@ def test_each_verb_help_and_summary(capsys, verb):
 
 
 def test_version(capsys):
+    """The version, then what the kernels are compiled for: the target numba uses and the integer
+    dot form the 4-bit products take on it."""
+    from cmf.kernels import int_dot
+    from cmf.numba_prims import target_cpu
+
     code, out, _ = run(capsys, "--version")
-    assert code == 0 and out.strip() == f"pycmf {cmf.__version__}"
+    first, second = out.strip().splitlines()
+    assert code == 0 and first == f"pycmf {cmf.__version__}"
+    assert second.startswith("kernels: numba ") and f"target {target_cpu()[0]} " in second
+    assert f"; integer dot {int_dot.DOT_PATH} (" in second
 
 
 def test_help_imports_no_tool_and_no_numba():

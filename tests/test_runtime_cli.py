@@ -68,9 +68,13 @@ def test_bench_table_and_json(model_path, capsys):
     assert main(["bench", model_path, "-p", "16", "-n", "4", "-r", "2"]) == 0
     out = capsys.readouterr().out
     assert "pp16" in out and "tg4" in out and "±" in out
+    from cmf.kernels import int_dot, sysinfo
+
+    assert out.rstrip().splitlines()[-1] == f"kernels: {sysinfo.summary()}"  # after the table, as llama-bench
     assert main(["bench", model_path, "-p", "8", "-n", "2", "-r", "1", "-o", "json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert [r["test"] for r in res["results"]] == ["pp8", "tg2"]
+    assert res["kernels"]["dot"] == int_dot.DOT_PATH and res["kernels"]["target"] == sysinfo.info()["target"]
 
 
 def test_run_accepts_hf_folder_via_cache(tmp_path, monkeypatch, capsys):

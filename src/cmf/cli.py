@@ -83,6 +83,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+class _Version(argparse.Action):
+    """``--version``: pycmf's version, then the kernels' target (numba and LLVM imported only here)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        from .kernels.sysinfo import summary
+
+        print(f"pycmf {__version__}\nkernels: {sanitize(summary())}")
+        parser.exit()
+
+
 def build_parser(load: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The argument parser; the verbs named in ``load`` get their full options (an import each)."""
     parser = _Parser(
@@ -91,7 +101,8 @@ def build_parser(load: Sequence[str] = ()) -> argparse.ArgumentParser:
                "1 problems or differences found, 2 usage error or unreadable file.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging on stderr and a traceback on errors")
-    parser.add_argument("--version", action="version", version=f"pycmf {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show the version and what the CPU kernels are compiled for, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for verb, (module, summary) in VERBS.items():
         if verb in load:

@@ -36,7 +36,8 @@ def add_model_options(p: argparse.ArgumentParser, *, sampling: bool = True, int8
     p.add_argument("--int8-act", action="store_true", default=None,
                    help="4-bit, q1t and q8 files: int8 activations in decode and prefill (4-bit: one "
                         "int8 piece per value instead of exact mode's three, with VNNI decode ~1.1×, "
-                        "prefill ~1.6×; q8: integer products, batched decode and prefill ~2×; ~1e-2 "
+                        "prefill ~1.6×, on AVX2 without VNNI decode ~1.2-1.35× ('cmf --version' shows "
+                        "which this CPU runs); q8: integer products, batched decode and prefill ~2×; ~1e-2 "
                         "relative error per product, as llama.cpp's Q4_0 / Q8_0; "
                         + ("default on here (--exact-act turns it off)" if int8_default
                            else "default off, or CMF_INT8_ACT=1") + ")")

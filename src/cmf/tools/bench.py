@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..kernels import compiling
+from ..kernels import compiling, sysinfo
 from . import sanitize
 from ._runtime_args import add_model_options, load_model
 from ._warmup import compile_clause
@@ -113,11 +113,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     if args.output == "json":
         print(json.dumps({"model": str(args.model), "size_bytes": size, "results": res,
-                          "compile_seconds": round(compiled, 2)}))
+                          "compile_seconds": round(compiled, 2), "kernels": sysinfo.info()}))
     else:
         rows = [[str(args.model), f"{size / 2**20:.1f} MiB", args.threads or "default", d["test"],
                  f"{d['mean']:.2f} ± {d['sd']:.2f}"] for d in res]
         lines = ["| model | size | threads | test | t/s |", "| --- | ---: | ---: | ---: | ---: |"]
         lines += ["| " + " | ".join(sanitize(c) for c in r) + " |" for r in rows]
+        lines += ["", sanitize(f"kernels: {sysinfo.summary()}")]  # as llama-bench ends with its build line
         print("\n".join(lines))
     return 0
