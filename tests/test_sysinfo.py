@@ -13,10 +13,10 @@ from cmf.numba_prims import target_cpu, target_has
 def test_info_reads_the_target_numba_compiles_for() -> None:
     d = sysinfo.info()
     name, _ = target_cpu()
-    assert d["target"] == name and d["dot"] == int_dot.DOT_PATH
+    assert d["target"] == (name or "unknown") and d["dot"] == int_dot.DOT_PATH
     assert ("AVX2" in d["features"]) == target_has("avx2")
     assert ("AVX512-VNNI" in d["features"]) == target_has("avx512vnni")
-    assert sysinfo.summary().endswith(f"integer dot {int_dot.DOT_PATH} ({sysinfo._DOT_NOTE[int_dot.DOT_PATH]})")
+    assert sysinfo.summary().endswith(f"integer dot {int_dot.DOT_PATH} ({sysinfo.DOT_NOTES[int_dot.DOT_PATH]})")
 
 
 def test_an_avx2_target_is_named_as_such() -> None:

@@ -17,7 +17,7 @@ _SHOWN = (("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx512f", "AVX51
           ("i8mm", "I8MM"))
 
 # what each integer dot form means for a user, in a few words
-_DOT_NOTE = {
+DOT_NOTES = {
     "vnni512": "512-bit vpdpbusd",
     "avxvnni": "256-bit vpdpbusd",
     "avx2": "vpmaddubsw + vpmaddwd; 4-bit exact mode does three int8 dots where --int8-act does one",
@@ -45,7 +45,7 @@ def summary() -> str:
     d = info()
     feats = " ".join(d["features"]) or "none of the kernels' features"
     return (f"numba {d['numba']}, target {d['target']} ({d['machine']}: {feats}); "
-            f"integer dot {d['dot']} ({_DOT_NOTE[d['dot']]})")
+            f"integer dot {d['dot']} ({DOT_NOTES[d['dot']]})")
 
 
-__all__ = ["info", "summary"]
+__all__ = ["DOT_NOTES", "info", "summary"]
