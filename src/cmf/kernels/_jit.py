@@ -7,9 +7,10 @@ by the hardware instruction (``fpext half``, F16C on x86) where the CPU has one,
 bit manipulation; both agree with numpy's ``astype(float32)`` on all 65536 patterns (tested).
 
 Parallelism: every kernel has a serial body over a range of rows and a parallel driver that
-splits the rows into one contiguous chunk per thread. A parallel region costs ~10-15 µs to
-start, and far more on a loaded 2-core machine (a chunk waits for a descheduled thread), so
-products below ``PARALLEL_MIN_BYTES`` of payload call the serial body directly.
+splits the rows into one contiguous chunk per thread. A parallel region costs ~1.6 µs to start
+on an idle host (numba's OpenMP layer) and far more on a loaded 2-core machine (a chunk waits for
+a descheduled thread), so products below ``PARALLEL_MIN_BYTES`` of payload call the serial body
+directly.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ PARALLEL = dict(SERIAL, parallel=True)
 SERIAL_ORDERED = dict(SERIAL, fastmath={"contract", "nsz", "arcp"})
 PARALLEL_ORDERED = dict(SERIAL_ORDERED, parallel=True)
 
-# Below this many payload bytes a product runs single-threaded (measured: a 2-thread region
-# only pays off once the work is a few times the ~15 µs it costs to start one).
-PARALLEL_MIN_BYTES = 1 << 18
+# Below this many payload bytes a product runs single-threaded: a 2-thread region pays off once
+# the work is a few times what it costs to start one (128 KB streams in ~8 µs on one thread;
+# PERFORMANCE.md, "Small products on two threads").
+PARALLEL_MIN_BYTES = 1 << 17
 
 
 # f16 conversion, CPU features, chunking and scratch live in the neutral bottom module, shared

@@ -20,7 +20,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._jit import PARALLEL, PARALLEL_MIN_BYTES, SERIAL, SERIAL_ORDERED, huge_zeros
+from . import _jit
+from ._jit import PARALLEL, SERIAL, SERIAL_ORDERED, huge_zeros
 from ._jit import chunk as _chunk
 from .q8i_ir import (GROUP_BYTES, MAX_VECS, ROWS, VECS_PER_PASS, q8i_block1, q8i_block2, q8i_block3, q8i_block4, q8i_rows,
                      quantize_rows)
@@ -211,7 +212,7 @@ class Int8Group:
         activation buffers of :func:`buffers` to reuse (a token step binds once)."""
         xq, xc, d = bufs if bufs is not None else buffers(X.shape[0], self.gpr)
         args = (self.planes, self.ss, X, xq, xq.view(np.int32), xc, d, Y, self.offs, self.sizes)
-        if nt > 1 and self.work >= PARALLEL_MIN_BYTES:
+        if nt > 1 and self.work >= _jit.PARALLEL_MIN_BYTES:  # read per call, as MatvecGroup.bind does
             return group_par, (*args, nt, self.act, self.width)
         return group_serial, (*args, self.act, self.width)
 
