@@ -468,3 +468,36 @@ def test_add_norm_into_is_the_add_then_the_norm() -> None:
         want = decode.norm_into(want_x, w, 1e-6, np.empty_like(x))
         got = decode.add_norm(x, a, w, 1e-6, np.empty_like(x))
         assert np.array_equal(x, want_x) and np.array_equal(got, want)
+
+
+def test_a_product_from_128_kb_runs_on_both_threads(tmp_path) -> None:
+    """A product of at least ``PARALLEL_MIN_BYTES`` (128 KB) binds the parallel driver with two
+    threads, a smaller one the serial body: SmolLM2-135M's q4tp o-projection (576×576, 173 KB)
+    ran on one thread at the old 256 KB (docs/PERFORMANCE.md, "Small products on two threads"),
+    and the bits are the serial body's either way."""
+    from cmf.kernels import _jit
+    from cmf.kernels.gemv import tiled_group, tiled_group_serial
+
+    assert _jit.PARALLEL_MIN_BYTES == 1 << 17
+    rng = np.random.default_rng(5)
+    path = tmp_path / "o.cmf"
+    with CmfWriter(path, header()) as w:
+        for name, shape in (("o", (576, 576)), ("small", (128, 576))):
+            m = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            w.add(name, "q4tp", shape, q.encode(m, "q4tp"))
+    with cmf_open(path) as f:
+        x = rng.standard_normal((1, 576)).astype(np.float32)
+        for name, want in (("o", tiled_group), ("small", tiled_group_serial)):
+            g = MatvecGroup([prepare(f.tensor(name))])
+            assert (g.work >= 1 << 17) == (name == "o") and (g.work < 1 << 18)
+            out2, out1 = np.empty((1, g.out_features), np.float32), np.empty((1, g.out_features), np.float32)
+            fn, _ = g.bind(x, out2, 2)
+            assert fn is want
+            g(x, out1, 1)
+            old = numba.get_num_threads()
+            numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+            try:
+                g(x, out2, 2)
+            finally:
+                numba.set_num_threads(old)
+            assert np.array_equal(out1, out2)
