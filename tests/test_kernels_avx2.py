@@ -104,6 +104,17 @@ def test_detection_follows_the_cpu_numba_compiles_for(cpu: str, want: str, tmp_p
     assert forced == "portable"
 
 
+def test_the_kernels_line_names_an_avx2_target(tmp_path) -> None:
+    """``cmf --version`` / ``cmf bench``'s kernels line (``sysinfo.summary``) compiled for haswell
+    (numba's name and its own features) shows no AVX-512 and the vpmaddubsw form, whatever the
+    host has."""
+    env = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = _probe(env, "from cmf.kernels import sysinfo; print(sysinfo.summary())")
+    assert out.startswith("numba ") and "target haswell (" in out
+    assert ": AVX2 FMA F16C);" in out and "AVX512" not in out
+    assert "integer dot avx2 (vpmaddubsw + vpmaddwd;" in out
+
+
 def test_a_forced_path_the_target_lacks_falls_back(tmp_path) -> None:
     env = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path),
            "CMF_DOT_PATH": "vnni512"}
