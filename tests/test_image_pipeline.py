@@ -102,7 +102,7 @@ def test_q8_psnr_against_f32(packed: dict[str, Path], ours_f32: np.ndarray,
                              record_property: Any) -> None:
     q8 = generate(cmf.image.load(packed["q8"]), PROMPT, steps=STEPS, size=SIZE, seed=SEED).image
     psnr = _psnr(q8, ours_f32)
-    record_property("q8_psnr_db", round(psnr, 2))
+    record_property("q8_psnr_db", round(float(psnr), 2))
     print(f"q8 vs f32: PSNR {psnr:.2f} dB, max abs {np.abs(q8 - ours_f32).max():.4f}")
     assert psnr >= Q8_PSNR_FLOOR
     assert not np.array_equal(to_pixels(q8), to_pixels(ours_f32))  # q8 really quantized something
