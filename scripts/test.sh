@@ -14,7 +14,7 @@ if [ -n "${CMF_TEST_CPU:-}" ]; then
   export NUMBA_CACHE_DIR="${CMF_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pycmf/numba-$CMF_TEST_CPU}"
 fi
 # Test files run on CMF_TEST_WORKERS processes (default: one per core, at most 4), each file on one
-# worker so that its module fixtures are built once; CMF_TEST_WORKERS=0 runs them in this process.
+# worker so that its module fixtures are built once; CMF_TEST_WORKERS=1 runs them in this process.
 WORKERS=${CMF_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
 if [ "$WORKERS" -gt 1 ]; then
   exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
