@@ -16,6 +16,9 @@ fi
 # Test files run on CMF_TEST_WORKERS processes (default: one per core, at most 4), each file on one
 # worker so that its module fixtures are built once; CMF_TEST_WORKERS=1 runs them in this process.
 WORKERS=${CMF_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+case "$WORKERS" in
+  '' | *[!0-9]*) echo "CMF_TEST_WORKERS must be a whole number of processes, not '$WORKERS'" >&2; exit 2 ;;
+esac
 if [ "$WORKERS" -gt 1 ]; then
   exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
 fi
