@@ -15,7 +15,8 @@ if [ -n "${CMF_TEST_CPU:-}" ]; then
 fi
 # Test files run on CMF_TEST_WORKERS processes (default: one per core, at most 4), each file on one
 # worker so that its module fixtures are built once; CMF_TEST_WORKERS=1 runs them in this process.
-WORKERS=${CMF_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+CORES=$(nproc)  # the CPUs this process may run on
+WORKERS=${CMF_TEST_WORKERS:-$(( CORES < 4 ? CORES : 4 ))}
 case "$WORKERS" in
   '' | *[!0-9]*) echo "CMF_TEST_WORKERS must be a whole number of processes, not '$WORKERS'" >&2; exit 2 ;;
 esac
