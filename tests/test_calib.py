@@ -105,6 +105,33 @@ def test_plain_rounding_when_the_hessian_is_identity():
     np.testing.assert_array_equal(lv, feedback.round_levels(w, s, "q4"))
 
 
+def test_inverse_cholesky_factors_the_damped_inverse():
+    # U upper with Uᵀ U = (H + λI)⁻¹, λ = 1% of mean diag H, on a badly conditioned Hessian of odd size
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((400, 203))
+    x[:, :4] *= 40.0
+    x[:, 9] = x[:, 10]
+    h = x.T @ x / 400
+    u = feedback.inverse_cholesky(h)
+    assert u.shape == (203, 203) and u.flags.c_contiguous
+    np.testing.assert_array_equal(u, np.triu(u))
+    assert (np.diag(u) > 0).all()
+    inv = np.linalg.inv(h + 0.01 * np.diag(h).mean() * np.eye(203))
+    np.testing.assert_allclose(u.T @ u, inv, rtol=0, atol=1e-10 * np.abs(inv).max())
+
+
+def test_inverse_cholesky_damps_more_or_gives_up():
+    # a zero-variance input is made inert; an indefinite matrix is retried with more damping
+    h = np.diag([4.0, 0.0, 1.0])
+    u = feedback.inverse_cholesky(h)
+    lam = 0.01 * 2.5
+    np.testing.assert_allclose(u.T @ u, np.diag([1 / (4 + lam), 1 / (1 + lam), 1 / (1 + lam)]), rtol=1e-12)
+    indefinite = np.array([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues -1, 3: λ = 0.01, 0.1, 1 fail, 10 holds
+    u = feedback.inverse_cholesky(indefinite)
+    np.testing.assert_allclose(u.T @ u, np.linalg.inv(indefinite + 10 * np.eye(2)), rtol=1e-12)
+    assert feedback.inverse_cholesky(np.array([[1.0, 20.0], [20.0, 1.0]])) is None  # -19 + 10 < 0
+
+
 def test_q2tp_zero_rung_groups_keep_their_canonical_bytes():
     w, x = loud_inputs(8, 128, 4)
     w[2, 64:96] = 0  # a dead group: rung 0
