@@ -34,11 +34,13 @@ def inverse_cholesky(h: np.ndarray) -> np.ndarray | None:
     dead = d <= 0
     h[dead, dead] = 1.0
     mean = float(d[~dead].mean()) if (~dead).any() else 1.0
-    n = h.shape[0]
+    diag = np.diag_indices(h.shape[0])
     for k in range(4):
         lam = DAMP * (10 ** k) * mean
+        damped = h.copy()
+        damped[diag] += lam  # no n×n identity beside it: the largest Hessians are ~1 GB in f64
         try:
-            m = np.linalg.cholesky((h + lam * np.eye(n))[::-1, ::-1])  # fails unless H + λI is positive definite
+            m = np.linalg.cholesky(damped[::-1, ::-1])  # fails unless H + λI is positive definite
         except np.linalg.LinAlgError:
             continue
         # For H ⪰ 0 every pivot² is at least λ (the Schur complements of H + λI keep its smallest
