@@ -354,3 +354,44 @@ def test_exact_tile_loops_keep_their_vectors_in_registers(tmp_path) -> None:
     # zmm moves to or from the stack between the loop's first and last vpdpbusd: 21 (decode) and
     # 18 (prefill) with the broadcasts up front, 0 and 1 with each word's own
     assert dot_path == "vnni512" and len(moves) == 2 and all(int(m) <= 2 for m in moves), moves
+
+
+@pytest.mark.parametrize("dtype", ["q4tp", "q2tp"])
+def test_decoded_ladder_scales_give_the_same_bits(tmp_path, dtype) -> None:
+    """A ladder's scales kept decoded from packing (``q4.DECODED_SCALES``, the default without
+    mask registers) and rebuilt from the codes in every product give the same outputs bit for
+    bit: one token and small batches (the tile loop), exact and with int8 activations, a prefill
+    block (block loop or dequantize + sgemm), row picks and dequantized rows."""
+    from cmf.format.reader import open as cmf_open
+    from cmf.kernels import prepare
+    from cmf.kernels.q4 import PACKED_DECODED, R
+
+    rng = np.random.default_rng(21)
+    w = (rng.standard_normal((200, 320)) * 0.05).astype(np.float32)
+    w[:, 7] *= 30  # an outlier column: groups of the ladder's whole range
+    path = _file_of(tmp_path, w, (dtype,))
+    f = cmf_open(path)
+    try:
+        ops = []
+        for decoded in (False, True):
+            op = prepare(f.tensor(dtype))
+            assert not op.ready.any()
+            shape = (op.ntiles, op.in_features // 32, 2 * R) if decoded else (0, 0, 0)
+            op.sc = np.zeros(shape, np.uint16)  # what the kernels look at to choose the form
+            ops.append(op)
+        rows = np.array([3, 64, 130, 199])  # 199: a tail row past the last whole tile
+        for T in (1, 5, 64):
+            x = rng.standard_normal((T, 320)).astype(np.float32)
+            for int8 in (False, True):
+                outs = []
+                for op in ops:
+                    op.use_int8_activations(int8)
+                    outs.append((op(x), op.rows(rows, x)))
+                for a, b in zip(*outs):
+                    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        ladder, decoded = ops
+        assert (decoded.ready == PACKED_DECODED).all() and not (ladder.ready == PACKED_DECODED).any()
+        np.testing.assert_array_equal(decoded.dequant_rows(rows).view(np.uint32),
+                                      ladder.dequant_rows(rows).view(np.uint32))
+    finally:
+        f.close()

@@ -161,6 +161,8 @@ MASK_REGS = target_has("avx512f")
 # The table form's fma variant needs a hardware fused multiply-add (AVX2 machines have FMA3,
 # aarch64 has it in every NEON unit); without one LLVM would call fmaf per lane.
 FMA_SCALES = not MASK_REGS and (target_has("fma") or platform.machine().lower() in ("aarch64", "arm64"))
+# group_scales' mode for a ladder's scales kept decoded, as float32 (see q4.DECODED_SCALES)
+DECODED = 5
 # PLANE_MASKS[b, k] = -1 where bit k of the byte b is set, else 0: a plane byte's 8 lane masks
 PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
 
@@ -219,7 +221,9 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
         reinterpreted as a 16-lane mask under which the power is multiplied in (AVX-512: one
         merge-masked multiply per plane): no per-row gather. ``mode`` 2: rows whose code is 31
         (all bits set) get an exact 0. Modes 3 and 4 are 1 and 2 with ``powers`` holding
-        power − 1 (targets without mask registers only; see :func:`_rungs_by_table`).
+        power − 1 (targets without mask registers only; see :func:`_rungs_by_table`). Mode
+        :data:`DECODED` (5): a ladder's scales decoded once when the tile was packed, as float32
+        bits at ``sc[128·tg : 128·tg + 128]`` (``q4.DECODED_SCALES``).
 
         Without AVX-512's mask registers (:data:`MASK_REGS`) the same products run on 8-row
         slices: a plane's byte is looked up in a table of lane masks (:data:`PLANE_MASKS`), and the
@@ -250,13 +254,23 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
                 p = builder.bitcast(cgutils.gep(builder, ptr, ir.Constant(i64, off)), vf.as_pointer())
                 return builder.load(p, align=4)
 
-            with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 0))) as (f16, ladder):
-                with f16:
-                    vh = ir.VectorType(i16, 16)
-                    for c in range(4):
-                        at = builder.add(soff, ir.Constant(i64, 16 * c))
-                        raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()), align=2)
-                        store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
+            stored = builder.or_(builder.icmp_signed("==", mode, ir.Constant(i64, 0)),
+                                 builder.icmp_signed("==", mode, ir.Constant(i64, DECODED)))
+            with builder.if_else(stored) as (kept, ladder):
+                with kept:
+                    with builder.if_else(builder.icmp_signed("==", mode, ir.Constant(i64, 0))) as (f16, f32s):
+                        with f16:
+                            vh = ir.VectorType(i16, 16)
+                            for c in range(4):
+                                at = builder.add(soff, ir.Constant(i64, 16 * c))
+                                raw = builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vh.as_pointer()),
+                                                   align=2)
+                                store(c, builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 16)), vf))
+                        with f32s:  # 64 float32 as 128 uint16 a tile-group
+                            for c in range(4):
+                                at = builder.add(builder.add(soff, soff), ir.Constant(i64, 32 * c))
+                                store(c, builder.load(builder.bitcast(cgutils.gep(builder, scp, at), vf.as_pointer()),
+                                                      align=4))
                 with ladder:
                     def rungs(dead31):
                         for c in range(4):

@@ -30,15 +30,42 @@ for nibbles, 1.5 for q2tp crumbs); results agree with decode + numpy to ~2e-6 of
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numba
 import numpy as np
 from numba import prange
 
 from ..format.constants import GROUP
 from ._ir import DOT_PATH, INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
-from ._jit import FMA_SCALES, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
+from ._jit import (DECODED, FMA_SCALES, MASK_REGS, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales,
+                   prefetch_at, word_at)
 from .q4_stored import F16_SCALES, R, WIDTH, ZERO, decode_rows, pack_tile
 from .xprep import fill_x, quantize_x
+
+log = logging.getLogger(__name__)
+
+
+def _decoded_scales() -> bool:
+    """``CMF_LADDER_SCALES`` (``decoded`` or ``ladder``) when set, else decoded exactly where the
+    target has no mask registers."""
+    forced = os.environ.get("CMF_LADDER_SCALES", "").strip().lower()
+    if forced in ("decoded", "ladder"):
+        return forced == "decoded"
+    if forced:
+        log.warning("CMF_LADDER_SCALES=%s is not 'decoded' or 'ladder'; choosing automatically", forced)
+    return not MASK_REGS
+
+
+# Whether q4tp/q2tp tiles keep their group scales decoded (float32, 256 bytes a tile-group of 1 KB
+# of nibbles) from the time they are packed, instead of rebuilding them from the 5-bit ladder codes
+# in every product. With AVX-512's mask registers the rebuild is five merge-masked multiplies per
+# 16 rows and costs less than the extra bytes; without them (AVX2, AVX-VNNI, NEON) it is ~30
+# vector operations per 8 rows on the ports the integer dot needs, and the decoded scales make a
+# tile-group from L2 1.25x faster (docs/PERFORMANCE.md, "The ladder's scales decoded once").
+# The values are group_scales' own (the same bits as either form), so results do not change.
+DECODED_SCALES = _decoded_scales()
 
 # The integer tile loop prefetches the planes this many bytes ahead (into L2). Each thread streams
 # its tiles sequentially, but the hardware prefetchers stop at every 4 KB boundary, and a thread
@@ -88,8 +115,9 @@ def _powers(t, lad, t0, pw):  # pragma: no cover - compiled
 
 # group_scales' mode per kind: f16 bits, the ladder, the ladder with code 31 as a dead group
 SCALE_MODE = (0, 1, 2, 0)
-# ``ready[t]``: 0 not packed yet, 1 packed, 2 packed and its ladder takes group_scales' fma form
-PACKED, PACKED_FMA = 1, 2
+# ``ready[t]``: 0 not packed yet, 1 packed, 2 packed and its ladder takes group_scales' fma form,
+# 3 packed with its ladder's scales decoded (DECODED_SCALES)
+PACKED, PACKED_FMA, PACKED_DECODED = 1, 2, 3
 
 
 @numba.njit(**SERIAL_ORDERED)
@@ -116,25 +144,54 @@ def _increments_exact(t, lad):  # pragma: no cover - compiled
 
 @numba.njit(**SERIAL_ORDERED)
 def _pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready):  # pragma: no cover - compiled
-    """pack_tile, then tile t's ready mark (PACKED, or PACKED_FMA where the fma form applies)."""
+    """pack_tile, then tile t's ready mark: PACKED, PACKED_FMA where the fma form applies, or
+    PACKED_DECODED once a ladder's scales are decoded into ``sc`` (sized for them by
+    ``TiledLinear`` where :data:`DECODED_SCALES`)."""
     pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
     fma = FMA_SCALES and not F16_SCALES[kind] and _increments_exact(t, lad)
-    ready[t] = PACKED_FMA if fma else PACKED
+    if not F16_SCALES[kind] and sc.shape[2] == 2 * R:
+        _decode_scales(t, kind, sc, cw, lad, fma)
+        ready[t] = PACKED_DECODED
+    else:
+        ready[t] = PACKED_FMA if fma else PACKED
 
 
 @numba.njit(**SERIAL_ORDERED)
-def _ladder(t, kind, lad, ready, t0, pw):  # pragma: no cover - compiled
-    """group_scales' mode for packed tile t, with ``t0``/``pw`` filled for a ladder kind: the
-    powers themselves, or for a PACKED_FMA tile the increments power − 1 (modes 3 and 4)."""
+def _decode_scales(t, kind, sc, cw, lad, fma):  # pragma: no cover - compiled
+    """Tile t's ladder scales, group by group as group_scales builds them, stored as float32
+    bits in ``sc[t, g]`` (two uint16 a row) for group_scales' mode DECODED."""
+    t0 = np.empty(R, np.float32)
+    pw = np.empty(5 * R, np.float32)
+    s = np.empty(R, np.float32)
+    mode = _ladder_mode(t, kind, lad, fma, t0, pw)
+    gpr = sc.shape[1]
+    for g in range(gpr):
+        group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
+        sc[t, g].view(np.float32)[:] = s
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _ladder_mode(t, kind, lad, fma, t0, pw):  # pragma: no cover - compiled
+    """group_scales' mode for a ladder (or f16) tile t with ``t0``/``pw`` filled for a ladder
+    kind: the powers themselves, or with ``fma`` the increments power − 1 (modes 3 and 4)."""
     mode = SCALE_MODE[kind]
     if F16_SCALES[kind]:
         return mode
     _powers(t, lad, t0, pw)
-    if ready[t] != PACKED_FMA:
+    if not fma:
         return mode
     for k in range(5 * R):
         pw[k] = pw[k] - np.float32(1)
     return mode + 2
+
+
+@numba.njit(**SERIAL_ORDERED)
+def _ladder(t, kind, lad, ready, t0, pw):  # pragma: no cover - compiled
+    """group_scales' mode for packed tile t: DECODED for a tile whose scales are kept decoded
+    (nothing to prepare), else :func:`_ladder_mode`'s."""
+    if ready[t] == PACKED_DECODED:
+        return DECODED
+    return _ladder_mode(t, kind, lad, ready[t] == PACKED_FMA, t0, pw)
 
 
 @numba.njit(**SERIAL_ORDERED)
