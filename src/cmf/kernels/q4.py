@@ -291,6 +291,10 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, 
                     if ahead < planes.size:  # the tile-group 16 KB ahead, into L2 (see PREFETCH_AHEAD)
                         for q in range(width):  # width·R bytes: width cache lines
                             prefetch_at(planes, ahead + 64 * q)
+                        if mode == DECODED:  # and its scales
+                            sa = (t * gpr + g) * 4 * R + PREFETCH_AHEAD // (width * R) * 4 * R
+                            for q in range(4):
+                                prefetch_at(sc, sa + 64 * q)
                     d = xd[ti, g]
                     if three:
                         if width == 16:
