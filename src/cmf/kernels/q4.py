@@ -19,7 +19,9 @@ each row's ladder base ``lad[tile] = (2^lo, ratio)`` as two float32 where the fi
 table indices (4 bytes a row more; the mapped params are given back with the rest of the source,
 ``runtime/memory.py``). Per tile, each row's ratio^(2^p) is expanded into a small scratch, and a
 scale is built by multiplying in the powers whose code bit is set (``_jit.group_scales``: lane
-masks, no per-row gather). Rows past the last whole tile (``rows % 64``) are not repacked; they
+masks, no per-row gather). On targets without mask registers the scales are instead built once,
+when the tile is packed, and kept as float32 (:data:`DECODED_SCALES`: 256 bytes more per
+tile-group of 1 KB of nibbles). Rows past the last whole tile (``rows % 64``) are not repacked; they
 are decoded from the mapped bytes on every call. Tiles are packed lazily, the first time a
 product needs them, so rows that a mask never selects are never read.
 
@@ -63,7 +65,8 @@ def _decoded_scales() -> bool:
 # in every product. With AVX-512's mask registers the rebuild is five merge-masked multiplies per
 # 16 rows and costs less than the extra bytes; without them (AVX2, AVX-VNNI, NEON) it is ~30
 # vector operations per 8 rows on the ports the integer dot needs, and the decoded scales make a
-# tile-group from L2 1.25x faster (docs/PERFORMANCE.md, "The ladder's scales decoded once").
+# tile-group from L2 1.24x and all of a model's products from DRAM 1.11-1.14x faster with their
+# own prefetch (docs/PERFORMANCE.md, "The ladder's scales decoded once"); natively level from DRAM.
 # The values are group_scales' own (the same bits as either form), so results do not change.
 DECODED_SCALES = _decoded_scales()
 
@@ -291,7 +294,7 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, 
                     if ahead < planes.size:  # the tile-group 16 KB ahead, into L2 (see PREFETCH_AHEAD)
                         for q in range(width):  # width·R bytes: width cache lines
                             prefetch_at(planes, ahead + 64 * q)
-                        if mode == DECODED:  # and its scales
+                        if DECODED_SCALES and mode == DECODED:  # and its scales (compiled only where used)
                             sa = (t * gpr + g) * 4 * R + PREFETCH_AHEAD // (width * R) * 4 * R
                             for q in range(4):
                                 prefetch_at(sc, sa + 64 * q)
