@@ -133,8 +133,8 @@ def test_rows_touch_only_their_tiles(model) -> None:
 def test_repack_is_no_larger_than_the_payload(model) -> None:
     # the ladder kinds keep each row's base as two float32 (2^lo, ratio) where the file has two
     # uint16 table indices: 4 bytes a row more than the payload, and where their scales are kept
-    # decoded (q4.DECODED_SCALES: targets without mask registers) a float32 per row and group
-    from cmf.kernels.q4 import DECODED_SCALES
+    # decoded (ladder_scales.DECODED_SCALES: targets without mask registers) a float32 per row and group
+    from cmf.kernels.ladder_scales import DECODED_SCALES
 
     for name, extra in (("q4_block", 0), ("q4_tiled", 0), ("q4tp", 4), ("q2tp", 4)):
         op = prepare_fused(model.tensor(f"{name}.big"))

@@ -302,24 +302,24 @@ def test_group_scales_fma_form_equals_the_masked_form(mode: int) -> None:
 
 
 def test_only_ladders_with_exact_increments_take_the_fma_form() -> None:
-    """``q4._increments_exact`` accepts a codec's ladders and refuses what would change bits in
+    """``ladder_scales.increments_exact`` accepts a codec's ladders and refuses what would change bits in
     the fma form: a power whose increment rounds (below 1 or ≥ 2^24), NaN, an infinite or
     overflowing t0 (v + v·0 is NaN where v·1.0 stays infinite)."""
-    from cmf.kernels import q4
+    from cmf.kernels import ladder_scales as ls
 
     def tile(base: float, ratio: float) -> np.ndarray:
-        lad = np.empty((1, 2, q4.R), np.float32)
+        lad = np.empty((1, 2, ls.R), np.float32)
         lad[0, 0], lad[0, 1] = base, ratio
         lad[0, 1, 3] = 1.0
         return lad
 
-    assert q4._increments_exact(0, tile(1e-3, 2 ** (1 / 31)))
-    assert q4._increments_exact(0, tile(1e-30, 1.3))
-    assert not q4._increments_exact(0, tile(1e-3, 0.3))  # 0.3 − 1 is not exact in float32
-    assert not q4._increments_exact(0, tile(1e-3, 3.0))  # 3^16 ≥ 2^24: its increment rounds
-    assert not q4._increments_exact(0, tile(np.inf, 1.1))
-    assert not q4._increments_exact(0, tile(np.nan, 1.1))
-    assert not q4._increments_exact(0, tile(1e37, 1.5))  # the top rung overflows
+    assert ls.increments_exact(0, tile(1e-3, 2 ** (1 / 31)))
+    assert ls.increments_exact(0, tile(1e-30, 1.3))
+    assert not ls.increments_exact(0, tile(1e-3, 0.3))  # 0.3 − 1 is not exact in float32
+    assert not ls.increments_exact(0, tile(1e-3, 3.0))  # 3^16 ≥ 2^24: its increment rounds
+    assert not ls.increments_exact(0, tile(np.inf, 1.1))
+    assert not ls.increments_exact(0, tile(np.nan, 1.1))
+    assert not ls.increments_exact(0, tile(1e37, 1.5))  # the top rung overflows
 
 
 SPILLS = """
@@ -358,13 +358,13 @@ def test_exact_tile_loops_keep_their_vectors_in_registers(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", ["q4tp", "q2tp"])
 def test_decoded_ladder_scales_give_the_same_bits(tmp_path, dtype) -> None:
-    """A ladder's scales kept decoded from packing (``q4.DECODED_SCALES``, the default without
+    """A ladder's scales kept decoded from packing (``ladder_scales.DECODED_SCALES``, the default without
     mask registers) and rebuilt from the codes in every product give the same outputs bit for
     bit: one token and small batches (the tile loop), exact and with int8 activations, a prefill
     block (block loop or dequantize + sgemm), row picks and dequantized rows."""
     from cmf.format.reader import open as cmf_open
     from cmf.kernels import prepare
-    from cmf.kernels.q4 import PACKED_DECODED, R
+    from cmf.kernels.ladder_scales import PACKED_DECODED, R
 
     rng = np.random.default_rng(21)
     w = (rng.standard_normal((200, 320)) * 0.05).astype(np.float32)

@@ -161,7 +161,7 @@ MASK_REGS = target_has("avx512f")
 # The table form's fma variant needs a hardware fused multiply-add (AVX2 machines have FMA3,
 # aarch64 has it in every NEON unit); without one LLVM would call fmaf per lane.
 FMA_SCALES = not MASK_REGS and (target_has("fma") or platform.machine().lower() in ("aarch64", "arm64"))
-# group_scales' mode for a ladder's scales kept decoded, as float32 (see q4.DECODED_SCALES)
+# group_scales' mode for a ladder's scales kept decoded, as float32 (see ladder_scales.DECODED_SCALES)
 DECODED = 5
 # PLANE_MASKS[b, k] = -1 where bit k of the byte b is set, else 0: a plane byte's 8 lane masks
 PLANE_MASKS = np.array([[-1 if (b >> k) & 1 else 0 for k in range(8)] for b in range(256)], np.int32)
@@ -174,7 +174,7 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool, fma: bool) -> 
     power, or exactly 1.0), or — ``fma``: ``pw`` holds d = power − 1, exact — ``fma(v, d & mask,
     v)``: one rounding of v + v·d = v·power, or v + v·0 = v, so the same bits with two vector
     operations a plane instead of four (the caller checks that the tile's values allow it, see
-    ``q4._increments_exact``; only where the target has an FMA unit, :data:`FMA_SCALES`). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
+    ``ladder_scales.increments_exact``; only where the target has an FMA unit, :data:`FMA_SCALES`). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     table = builder.module.globals.get("cmf_plane_masks")  # one copy per module, however many calls
@@ -223,7 +223,7 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
         (all bits set) get an exact 0. Modes 3 and 4 are 1 and 2 with ``powers`` holding
         power − 1 (targets without mask registers only; see :func:`_rungs_by_table`). Mode
         :data:`DECODED` (5): a ladder's scales decoded once when the tile was packed, as float32
-        bits at ``sc[128·tg : 128·tg + 128]`` (``q4.DECODED_SCALES``).
+        bits at ``sc[128·tg : 128·tg + 128]`` (``ladder_scales.DECODED_SCALES``).
 
         Without AVX-512's mask registers (:data:`MASK_REGS`) the same products run on 8-row
         slices: a plane's byte is looked up in a table of lane masks (:data:`PLANE_MASKS`), and the
@@ -297,7 +297,7 @@ def _make_group_scales(mask_regs: bool):  # noqa: ANN202 - returns a numba intri
 
                     if mask_regs:
                         live_or_dead(rungs)
-                    else:  # modes 3 and 4: the powers arrive as d = power − 1 (q4._powers)
+                    else:  # modes 3 and 4: the powers arrive as d = power − 1 (ladder_scales.powers)
                         with builder.if_else(builder.icmp_signed(">=", mode, ir.Constant(i64, 3))) as (fma, mul):
                             with fma:
                                 live_or_dead(lambda dead31: _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31, True))

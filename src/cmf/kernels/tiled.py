@@ -17,8 +17,9 @@ from ._base import FusedLinear, TILE_BYTES
 from ._jit import PARALLEL_ORDERED, SERIAL_ORDERED, huge_zeros, scratch, threads
 from ._jit import chunk as _chunk
 from .blas import NO_TRANS, TRANS, sgemm
-from .q4 import (BLOCK_PIECES, DECODED_SCALES, EXACT_PIECES, block_par, matvec, matvec_par, tiles_dequant_t,
-                 tiles_dequant_t_par, tiles_par, tiles_run)
+from .ladder_scales import DECODED_SCALES
+from .q4 import (BLOCK_PIECES, EXACT_PIECES, block_par, matvec, matvec_par, tiles_dequant_t, tiles_dequant_t_par,
+                 tiles_par, tiles_run)
 from .q4_stored import CODE_BYTES, F16_SCALES, KIND_F16, KIND_Q1T, KIND_Q2TP, KIND_Q4TP, R, WIDTH, ZERO, decode_rows
 from .registry import family
 from .xprep import fill_x
@@ -120,7 +121,7 @@ class TiledLinear(FusedLinear):
         # zero pages, in huge pages (_jit.huge_zeros): nothing is resident until a tile is packed
         self.planes = huge_zeros((nt, gpr, self.width // 4, R, 4), np.uint8)
         f16 = F16_SCALES[self.kind]
-        # f16 bits, or a ladder's scales decoded as float32 bits (two uint16 a row; q4.DECODED_SCALES)
+        # f16 bits, or a ladder's scales decoded as float32 bits (two uint16 a row; ladder_scales.DECODED_SCALES)
         self.sc = huge_zeros((nt, gpr, R) if f16 else (nt, gpr, 2 * R) if DECODED_SCALES else (0, 0, 0), np.uint16)
         self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
         self.lad = huge_zeros((0 if f16 else nt, 2, R), np.float32)  # per row: 2^lo, ratio
