@@ -84,7 +84,7 @@ def test_the_chosen_path_is_the_fastest_the_target_has() -> None:
 
 def _probe(env: dict, code: str, *args: str) -> str:
     full = dict(os.environ, **env)
-    for k in ("CMF_DOT_PATH", "CMF_NO_VNNI"):
+    for k in ("CMF_DOT_PATH", "CMF_NO_VNNI", "CMF_LADDER_SCALES"):
         if k not in env:
             full.pop(k, None)
     out = subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True, text=True, timeout=600)
@@ -113,6 +113,25 @@ def test_the_kernels_line_names_an_avx2_target(tmp_path) -> None:
     assert out.startswith("numba ") and "target haswell (" in out
     assert ": AVX2 FMA F16C);" in out and "AVX512" not in out
     assert "integer dot avx2 (vpmaddubsw + vpmaddwd;" in out
+    assert out.endswith("; q4tp/q2tp scales decoded")  # no mask registers: kept decoded
+
+
+def test_ladder_scales_follow_the_target_or_the_override(tmp_path) -> None:
+    """Decoded where the target has no mask registers, the ladder where it has AVX-512;
+    ``CMF_LADDER_SCALES`` overrides either way, and a value it does not know is named in a
+    warning and ignored."""
+    code = "from cmf.kernels import ladder_scales as l; print(l.DECODED_SCALES)"
+    for cpu, want in (("haswell", "True"), ("icelake-server", "False")):
+        env = {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
+        assert _probe(env, code) == want
+        assert _probe(dict(env, CMF_LADDER_SCALES="ladder"), code) == "False"
+        assert _probe(dict(env, CMF_LADDER_SCALES="Decoded "), code) == "True"
+    env = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path),
+           "CMF_LADDER_SCALES": "fast"}
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.strip() == "True"
+    assert "CMF_LADDER_SCALES=fast is not 'decoded' or 'ladder'" in r.stderr
 
 
 def test_a_forced_path_the_target_lacks_falls_back(tmp_path) -> None:

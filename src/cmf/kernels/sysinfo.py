@@ -26,26 +26,30 @@ DOT_NOTES = {
 
 
 def info() -> dict:
-    """``{"numba", "machine", "target", "features", "dot"}``: numba's version, the machine
-    architecture, the LLVM CPU numba compiles for, which of the features the kernels care about
-    it has (shown names), and the integer dot form the 4-bit products use."""
+    """``{"numba", "machine", "target", "features", "dot", "ladder_scales"}``: numba's version,
+    the machine architecture, the LLVM CPU numba compiles for, which of the features the kernels
+    care about it has (shown names), the integer dot form the 4-bit products use, and whether
+    q4tp/q2tp tiles keep their scales decoded (``decoded``: faster without mask registers, 4
+    bytes a row and group more memory) or rebuild them from the ladder (``ladder``)."""
     import numba
 
     from ..numba_prims import target_cpu
     from .int_dot import DOT_PATH
+    from .ladder_scales import DECODED_SCALES
 
     name, have = target_cpu()
     return {"numba": numba.__version__, "machine": platform.machine(), "target": name or "unknown",
-            "features": [shown for feature, shown in _SHOWN if feature in have], "dot": DOT_PATH}
+            "features": [shown for feature, shown in _SHOWN if feature in have], "dot": DOT_PATH,
+            "ladder_scales": "decoded" if DECODED_SCALES else "ladder"}
 
 
 def summary() -> str:
     """One line, e.g. ``numba 0.68.1, target znver4 (x86_64: AVX2 FMA F16C AVX512F AVX512BW
-    AVX512-VNNI); integer dot vnni512 (512-bit vpdpbusd)``."""
+    AVX512-VNNI); integer dot vnni512 (512-bit vpdpbusd); q4tp/q2tp scales ladder``."""
     d = info()
     feats = " ".join(d["features"]) or "none of the kernels' features"
     return (f"numba {d['numba']}, target {d['target']} ({d['machine']}: {feats}); "
-            f"integer dot {d['dot']} ({DOT_NOTES[d['dot']]})")
+            f"integer dot {d['dot']} ({DOT_NOTES[d['dot']]}); q4tp/q2tp scales {d['ladder_scales']}")
 
 
 __all__ = ["DOT_NOTES", "info", "summary"]
