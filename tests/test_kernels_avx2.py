@@ -397,6 +397,7 @@ def test_decoded_ladder_scales_give_the_same_bits(tmp_path, dtype) -> None:
             assert not op.ready.any()
             shape = (op.ntiles, op.in_features // 32, 2 * R) if decoded else (0, 0, 0)
             op.sc = np.zeros(shape, np.uint16)  # what the kernels look at to choose the form
+            op.cw = np.zeros(0 if decoded else op.ntiles * (op.in_features // 32) * 40, np.uint8)  # codes' planes
             ops.append(op)
         rows = np.array([3, 64, 130, 199])  # 199: a tail row past the last whole tile
         for T in (1, 5, 64):
@@ -412,5 +413,10 @@ def test_decoded_ladder_scales_give_the_same_bits(tmp_path, dtype) -> None:
         assert (decoded.ready == PACKED_DECODED).all() and not (ladder.ready == PACKED_DECODED).any()
         np.testing.assert_array_equal(decoded.dequant_rows(rows).view(np.uint32),
                                       ladder.dequant_rows(rows).view(np.uint32))
+        # the ladder form with no room for its codes refuses to pack instead of writing past them
+        bad = prepare(f.tensor(dtype))
+        bad.sc, bad.cw = np.zeros((0, 0, 0), np.uint16), np.zeros(0, np.uint8)
+        with pytest.raises(ValueError, match="ladder codes array too small"):
+            bad(x[:1])
     finally:
         f.close()

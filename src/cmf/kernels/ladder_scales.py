@@ -17,7 +17,7 @@ import numba
 import numpy as np
 
 from ._jit import DECODED, FMA_SCALES, MASK_REGS, SERIAL_ORDERED, group_scales
-from .q4_stored import F16_SCALES, R, pack_tile
+from .q4_stored import CODE_BYTES, F16_SCALES, R, pack_tile
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _decoded_scales() -> bool:
 
 
 # Whether q4tp/q2tp tiles keep their group scales decoded (float32, 256 bytes a tile-group of 1 KB
-# of nibbles) from the time they are packed, instead of rebuilding them from the 5-bit ladder codes
+# of nibbles, where the codes' bit planes took 40) from the time they are packed, instead of rebuilding them from the 5-bit ladder codes
 # in every product. With AVX-512's mask registers the rebuild is five merge-masked multiplies per
 # 16 rows and costs less than the extra bytes; without them (AVX2, AVX-VNNI, NEON) it is ~30
 # vector operations per 8 rows on the ports the integer dot needs, and the decoded scales make a
@@ -104,27 +104,36 @@ def increments_exact(t, lad):  # pragma: no cover - compiled
 def pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready):  # pragma: no cover - compiled
     """pack_tile, then tile t's ready mark: PACKED, PACKED_FMA where the fma form applies, or
     PACKED_DECODED once a ladder's scales are decoded into ``sc`` (sized for them by
-    ``TiledLinear`` where :data:`DECODED_SCALES`)."""
-    pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad)
-    fma = FMA_SCALES and not F16_SCALES[kind] and increments_exact(t, lad)
-    if not F16_SCALES[kind] and sc.shape[2] == 2 * R:
-        decode_scales(t, kind, sc, cw, lad, fma)
+    ``TiledLinear`` where :data:`DECODED_SCALES`). Decoded tiles need their codes only here, so
+    they go to a scratch of one tile and ``cw`` can be empty."""
+    gpr = planes.shape[1]
+    ladder = not F16_SCALES[kind]
+    decoded = ladder and sc.shape[2] == 2 * R
+    if ladder and not decoded and cw.size < (t + 1) * gpr * CODE_BYTES:
+        raise ValueError("ladder codes array too small for the tile")  # never written out of bounds
+    codes = np.empty(gpr * CODE_BYTES if decoded else 0, np.uint8)
+    pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, codes if decoded else cw, 0 if decoded else t * gpr,
+              lad)
+    fma = FMA_SCALES and ladder and increments_exact(t, lad)
+    if decoded:
+        decode_scales(t, kind, sc, codes, lad, fma)
         ready[t] = PACKED_DECODED
     else:
         ready[t] = PACKED_FMA if fma else PACKED
 
 
 @numba.njit(**SERIAL_ORDERED)
-def decode_scales(t, kind, sc, cw, lad, fma):  # pragma: no cover - compiled
-    """Tile t's ladder scales, group by group as group_scales builds them, stored as float32
-    bits in ``sc[t, g]`` (two uint16 a row) for group_scales' mode DECODED."""
+def decode_scales(t, kind, sc, codes, lad, fma):  # pragma: no cover - compiled
+    """Tile t's ladder scales from its bit-plane ``codes`` (one tile's, group g at 40·g), group by
+    group as group_scales builds them, stored as float32 bits in ``sc[t, g]`` (two uint16 a row)
+    for group_scales' mode DECODED."""
     t0 = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
     s = np.empty(R, np.float32)
     mode = ladder_mode(t, kind, lad, fma, t0, pw)
     gpr = sc.shape[1]
     for g in range(gpr):
-        group_scales(sc, cw, t * gpr + g, t0, pw, s, mode)
+        group_scales(sc, codes, g, t0, pw, s, mode)  # (sc is not read in a ladder mode)
         sc[t, g].view(np.float32)[:] = s
 
 

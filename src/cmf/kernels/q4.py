@@ -20,9 +20,9 @@ table indices (4 bytes a row more; the mapped params are given back with the res
 ``runtime/memory.py``). Per tile, each row's ratio^(2^p) is expanded into a small scratch, and a
 scale is built by multiplying in the powers whose code bit is set (``_jit.group_scales``: lane
 masks, no per-row gather). On targets without mask registers the scales are instead built once,
-when the tile is packed, and kept as float32 (:data:`DECODED_SCALES`: 256 bytes more per
-tile-group of 1 KB of nibbles). Rows past the last whole tile (``rows % 64``) are not repacked; they
-are decoded from the mapped bytes on every call. Tiles are packed lazily, the first time a
+when the tile is packed, and kept as float32 (:data:`DECODED_SCALES`: 256 bytes per tile-group
+of 1 KB of nibbles, where the bit planes, then not kept, took 40). Rows past the last whole tile
+(``rows % 64``) are not repacked; they are decoded from the mapped bytes on every call. Tiles are packed lazily, the first time a
 product needs them, so rows that a mask never selects are never read.
 
 Sums use ``Σ(q - z)·x = Σ q·x - z·Σx`` with ``z·Σx`` computed once per call and group (z = 8

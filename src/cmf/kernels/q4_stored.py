@@ -65,9 +65,10 @@ def pack_tile_q1t(t, src, planes, sc):  # pragma: no cover - compiled
 
 
 @numba.njit(**SERIAL)
-def pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad):  # pragma: no cover - compiled
-    """Copy tile t from the stored layout: planes, then f16 scale bits, or the codes (bit planes)
-    and each row's ladder base ``lad[t] = (2^lo, ratio)``.
+def pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, cw_first, lad):  # pragma: no cover - compiled
+    """Copy tile t from the stored layout: planes, then f16 scale bits, or the codes (bit planes,
+    into ``cw`` from tile-group ``cw_first`` on: t·groups for the whole matrix's array, 0 for one
+    tile's scratch) and each row's ladder base ``lad[t] = (2^lo, ratio)``.
 
     The ladder base is looked up here, once: per product it meant two dependent loads per row
     (the row's params in the mapped file, then ``exp2tab`` at a scattered index) that the weight
@@ -104,7 +105,7 @@ def pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad):  # p
             if kind == KIND_Q2TP:  # store rung - 1; 31 (never a live rung - 1) marks a dead group
                 c = c - 1 if c > 0 else 31
             codes[i] = c
-        base = (t * gpr + g) * CODE_BYTES
+        base = (cw_first + g) * CODE_BYTES
         for p in range(5):
             for j in range(R // 8):
                 v = 0

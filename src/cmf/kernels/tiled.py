@@ -123,7 +123,7 @@ class TiledLinear(FusedLinear):
         f16 = F16_SCALES[self.kind]
         # f16 bits, or a ladder's scales decoded as float32 bits (two uint16 a row; ladder_scales.DECODED_SCALES)
         self.sc = huge_zeros((nt, gpr, R) if f16 else (nt, gpr, 2 * R) if DECODED_SCALES else (0, 0, 0), np.uint16)
-        self.cw = huge_zeros((0 if f16 else nt * gpr * CODE_BYTES,), np.uint8)
+        self.cw = huge_zeros((0 if f16 or DECODED_SCALES else nt * gpr * CODE_BYTES,), np.uint8)  # codes' bit planes
         self.lad = huge_zeros((0 if f16 else nt, 2, R), np.float32)  # per row: 2^lo, ratio
         self.ready = np.zeros(nt, np.uint8)
         self.all_tiles = np.arange(nt, dtype=np.int64)
