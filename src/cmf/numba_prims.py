@@ -1,7 +1,8 @@
 """The bottom of the compiled layers: numba primitives that both ``cmf.quant`` (the codecs'
 whole-tensor decoders) and ``cmf.kernels`` (the fused products) use, and the runtime's small
-shared pieces (thread chunking, scratch buffers). It imports nothing from cmf, so neither
-package has to reach into the other's private modules (tests/test_layering.py).
+shared pieces (thread chunking, scratch buffers). It imports nothing from cmf but
+``numba_cache`` (installed here, below every cached kernel), so neither package has to reach
+into the other's private modules (tests/test_layering.py).
 
 - **CPU features**: :func:`target_has` — the features of the CPU numba compiles for, which
   follows ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` as numba does — and ``HW_F16``.
@@ -24,6 +25,12 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .numba_cache import install as _install_cache_stamp
+
+# Before any cmf module decorates a cached kernel: numba's cache stamps then cover every pycmf
+# numba source, not only the kernel's own file (numba_cache.py says why).
+_install_cache_stamp()
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()

@@ -174,7 +174,8 @@ def _rungs_by_table(builder, pl, t0p, pw, sp, base, dead31: bool, fma: bool) -> 
     power, or exactly 1.0), or — ``fma``: ``pw`` holds d = power − 1, exact — ``fma(v, d & mask,
     v)``: one rounding of v + v·d = v·power, or v + v·0 = v, so the same bits with two vector
     operations a plane instead of four (the caller checks that the tile's values allow it, see
-    ``ladder_scales.increments_exact``; only where the target has an FMA unit, :data:`FMA_SCALES`). ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
+    ``ladder_scales.increments_exact``; only where the target has an FMA unit, :data:`FMA_SCALES`).
+    ``dead31`` (modes 2 and 4) zeroes rows whose five bits are all set."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     table = builder.module.globals.get("cmf_plane_masks")  # one copy per module, however many calls

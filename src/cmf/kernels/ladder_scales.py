@@ -34,13 +34,14 @@ def _decoded_scales() -> bool:
 
 
 # Whether q4tp/q2tp tiles keep their group scales decoded (float32, 256 bytes a tile-group of 1 KB
-# of nibbles, where the codes' bit planes took 40) from the time they are packed, instead of rebuilding them from the 5-bit ladder codes
-# in every product. With AVX-512's mask registers the rebuild is five merge-masked multiplies per
-# 16 rows and costs less than the extra bytes; without them (AVX2, AVX-VNNI, NEON) it is ~30
-# vector operations per 8 rows on the ports the integer dot needs, and the decoded scales make a
-# tile-group from L2 1.24x and all of a model's products from DRAM 1.11-1.14x faster with their
-# own prefetch (docs/PERFORMANCE.md, "The ladder's scales decoded once"); natively level from DRAM.
-# The values are group_scales' own (the same bits as either form), so results do not change.
+# of nibbles, where the codes' bit planes took 40) from the time they are packed, instead of
+# rebuilding them from the 5-bit ladder codes in every product. With AVX-512's mask registers the
+# rebuild is five merge-masked multiplies per 16 rows and costs less than the extra bytes; without
+# them (AVX2, AVX-VNNI, NEON) it is ~30 vector operations per 8 rows on the ports the integer dot
+# needs, and the decoded scales make a tile-group from L2 1.24x and all of a model's products from
+# DRAM 1.11-1.14x faster with their own prefetch (docs/PERFORMANCE.md, "The ladder's scales
+# decoded once"); natively they are level from DRAM. The values are group_scales' own (the same
+# bits as either form), so results do not change.
 DECODED_SCALES = _decoded_scales()
 
 

@@ -22,8 +22,9 @@ scale is built by multiplying in the powers whose code bit is set (``_jit.group_
 masks, no per-row gather). On targets without mask registers the scales are instead built once,
 when the tile is packed, and kept as float32 (:data:`DECODED_SCALES`: 256 bytes per tile-group
 of 1 KB of nibbles, where the bit planes, then not kept, took 40). Rows past the last whole tile
-(``rows % 64``) are not repacked; they are decoded from the mapped bytes on every call. Tiles are packed lazily, the first time a
-product needs them, so rows that a mask never selects are never read.
+(``rows % 64``) are not repacked; they are decoded from the mapped bytes on every call. Tiles are
+packed lazily, the first time a product needs them, so rows that a mask never selects are never
+read.
 
 Sums use ``Σ(q - z)·x = Σ q·x - z·Σx`` with ``z·Σx`` computed once per call and group (z = 8
 for nibbles, 1.5 for q2tp crumbs); results agree with decode + numpy to ~2e-6 of max |y|
