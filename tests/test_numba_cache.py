@@ -59,7 +59,13 @@ def test_the_fingerprint_follows_numba_sources_only(tmp_path, monkeypatch) -> No
     (tmp_path / "c.py").write_text("x = 2\n")  # no numba in it: no effect
     assert fresh() == first
     (tmp_path / "sub" / "b.py").write_text("import numba  # b, changed\n")
-    assert fresh() != first
+    second = fresh()
+    assert second != first
+    for knob in numba_cache.KNOBS:  # a setting that changes compiled code is in the stamp too
+        monkeypatch.setenv(knob, "ladder")
+        assert fresh() != second
+        monkeypatch.delenv(knob)
+        assert fresh() == second
 
 
 def test_functions_outside_the_package_keep_numbas_locators(tmp_path) -> None:

@@ -10,29 +10,37 @@ not its date.
 
 :func:`install` puts a locator in front of numba's own for functions defined in the ``cmf``
 package: it finds the same cache folder numba would, and adds to the stamp a fingerprint of
-every pycmf source file that uses numba, so any change to one of them makes every cached kernel
-compile again (once). Other packages' functions are untouched.
+every pycmf source file that uses numba and of the settings that change compiled code
+(:data:`KNOBS`), so any change to one of them makes every cached kernel compile again (once).
+Other packages' functions are untouched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 _ROOT = Path(__file__).resolve().parent
+# Settings read when a kernel module is imported that change the code it compiles (the integer
+# dot's form, the ladder scales' form): without them in the stamp, setting one would load
+# kernels cached under the other value and be silently ignored.
+KNOBS = ("CMF_DOT_PATH", "CMF_NO_VNNI", "CMF_LADDER_SCALES")
 _fingerprint: str | None = None
 _installed = False
 
 
 def package_fingerprint() -> str:
-    """A hash of every ``.py`` file of the package that mentions numba (names and contents),
-    computed once per process (~200 files, a few ms)."""
+    """A hash of every ``.py`` file of the package that mentions numba (names and contents) and
+    of the :data:`KNOBS` settings, computed once per process (~200 files, a few ms)."""
     global _fingerprint
     if _fingerprint is None:
         h = hashlib.sha256()
+        for knob in KNOBS:
+            h.update(f"{knob}={os.environ.get(knob, '')}\0".encode())
         for path in sorted(_ROOT.rglob("*.py")):
             data = path.read_bytes()
             if b"numba" in data:
