@@ -115,27 +115,24 @@ def pack(t, kind, src, scs, cs, params, exp2tab, planes, sc, cw, lad, ready):  #
     codes = np.empty(gpr * CODE_BYTES if decoded else 0, np.uint8)
     pack_tile(t, kind, src, scs, cs, params, exp2tab, planes, sc, codes if decoded else cw, 0 if decoded else t * gpr,
               lad)
-    fma = FMA_SCALES and ladder and increments_exact(t, lad)
     if decoded:
-        decode_scales(t, kind, sc, codes, lad, fma)
+        decode_scales(t, kind, sc, codes, lad)
         ready[t] = PACKED_DECODED
     else:
-        ready[t] = PACKED_FMA if fma else PACKED
+        ready[t] = PACKED_FMA if FMA_SCALES and ladder and increments_exact(t, lad) else PACKED
 
 
 @numba.njit(**SERIAL_ORDERED)
-def decode_scales(t, kind, sc, codes, lad, fma):  # pragma: no cover - compiled
-    """Tile t's ladder scales from its bit-plane ``codes`` (one tile's, group g at 40·g), group by
-    group as group_scales builds them, stored as float32 bits in ``sc[t, g]`` (two uint16 a row)
-    for group_scales' mode DECODED."""
+def decode_scales(t, kind, sc, codes, lad):  # pragma: no cover - compiled
+    """Tile t's ladder scales from its bit-plane ``codes`` (one tile's, group g at 40·g), built by
+    group_scales straight into ``sc[t, g]`` as float32 bits (two uint16 a row) for its mode
+    DECODED. Once per tile, so the plain multiply form: the fma form gives the same bits and
+    would need ``increments_exact``'s second pass over the powers."""
     t0 = np.empty(R, np.float32)
     pw = np.empty(5 * R, np.float32)
-    s = np.empty(R, np.float32)
-    mode = ladder_mode(t, kind, lad, fma, t0, pw)
-    gpr = sc.shape[1]
-    for g in range(gpr):
-        group_scales(sc, codes, g, t0, pw, s, mode)  # (sc is not read in a ladder mode)
-        sc[t, g].view(np.float32)[:] = s
+    mode = ladder_mode(t, kind, lad, False, t0, pw)
+    for g in range(sc.shape[1]):
+        group_scales(sc, codes, g, t0, pw, sc[t, g].view(np.float32), mode)  # (sc not read in a ladder mode)
 
 
 @numba.njit(**SERIAL_ORDERED)
