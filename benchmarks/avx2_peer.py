@@ -10,7 +10,10 @@ its own ``llama-quantize`` (Q8_0, Q4_0) and measured with ``llama-bench`` (``-p 
 prefill of 512 tokens, 64 decoded tokens from an empty context); pycmf's files with the runtime
 matrix's worker (benchmarks/runtime.py: 512-token prefill, 64 tokens decoded after a 32-token
 prompt), natively and compiled for haswell (AVX2, FMA, no AVX-512; ``_common.cpu_env``). Every
-cell runs in a fresh process, rounds interleaved with the order flipped each round; medians.
+cell runs in a fresh process, rounds interleaved with the order flipped each round; medians. A
+second table sets each pycmf file beside the llama.cpp type of its matrices (q8 files beside Q8_0,
+the 4-bit family beside Q4_0) on each target: the ratio of the cell medians and the median of the
+per-round ratios (both cells of a ratio ran in the same round).
 """
 
 from __future__ import annotations
@@ -60,6 +63,37 @@ def pycmf_cell(model: Path, threads: int, cpu: str, cache: Path, int8: bool = Fa
     return {"decode": float(rec["decode_tps"]), "prefill": float(rec["prefill_tps"])}
 
 
+def peer_type(model: Path) -> str:
+    """The llama.cpp type a pycmf file is set beside: Q8_0 where q8_row holds most of its matrix
+    bytes, else Q4_0 (the 4-bit family and lower)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from cmf.format.reader import open as open_cmf
+
+    by: dict[str, int] = {}
+    with open_cmf(model) as f:
+        for name in f.keys():
+            t = f.tensor(name)
+            if len(t.shape) == 2:
+                by[t.dtype.name] = by.get(t.dtype.name, 0) + int(t.nbytes)
+    return "Q8_0" if max(by, key=by.get) == "Q8_ROW" else "Q4_0"
+
+
+def peer_lines(results: dict, peers: dict[str, str]) -> list[str]:
+    """Rows of pycmf ÷ llama.cpp decode per target: cell medians, the median per-round ratio, and
+    AVX2's per-round ratios."""
+    lines = ["", "| pycmf file ÷ llama.cpp, decode | native (cells) | native (per round) | AVX2 (cells) | "
+             "AVX2 (per round) | AVX2 rounds |", "|---|---:|---:|---:|---:|---|"]
+    for name, kind in peers.items():
+        cols: list[str] = []
+        for cpu in ("native", "haswell"):
+            mine = [r["decode"] for r in results[(name, cpu)]]
+            theirs = [r["decode"] for r in results[(f"llama.cpp {kind}", cpu)]]
+            ratios = [m / t for m, t in zip(mine, theirs)]  # the same round's two cells
+            cols += [f"{statistics.median(mine) / statistics.median(theirs):.2f}×", f"{statistics.median(ratios):.2f}×"]
+        lines.append(f"| {name} ÷ {kind} | {' | '.join(cols)} | {' / '.join(f'{r:.2f}' for r in ratios)} |")
+    return lines
+
+
 def quantized(native_bin: Path, f32: Path, kind: str, work: Path) -> Path:
     out = work / f"{f32.stem}-{kind}.gguf"
     if not out.exists():
@@ -84,11 +118,13 @@ def main() -> None:
     ggufs = [quantized(a.native_bin, a.gguf_f32, k, work) for k in LLAMA_TYPES]
     caches = {cpu: Path(tempfile.mkdtemp(prefix=f"cmf-peer-{cpu or 'native'}-")) for cpu in ("", "haswell")}
     cells: list[tuple[str, str, object]] = []
+    peers: dict[str, str] = {}
     for g in ggufs:
         for cpu, b in (("native", a.native_bin), ("haswell", a.avx2_bin)):
             cells.append((f"llama.cpp {g.stem.rsplit('-', 1)[-1]}", cpu, lambda g=g, b=b: llama_bench(b, g, a.threads)))
     for f in a.cmf:
         for int8 in ((False, True) if a.int8 else (False,)):
+            peers[f"pycmf {f.stem}{' +i8' if int8 else ''}"] = peer_type(f)
             for cpu in ("", "haswell"):
                 cells.append((f"pycmf {f.stem}{' +i8' if int8 else ''}", cpu or "native",
                               lambda f=f, cpu=cpu, int8=int8: pycmf_cell(f, a.threads, cpu, caches[cpu], int8)))
@@ -110,6 +146,7 @@ def main() -> None:
         n, h = med[(name, "native")], med[(name, "haswell")]
         lines.append(f"| {name} | {n['decode']:.1f} | {h['decode']:.1f} | {h['decode'] / n['decode']:.2f}× | "
                      f"{n['prefill']:.1f} | {h['prefill']:.1f} | {h['prefill'] / n['prefill']:.2f}× |")
+    lines += peer_lines(results, peers)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.write:
