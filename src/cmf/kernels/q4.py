@@ -64,6 +64,31 @@ EXACT_PIECES = 3 if INT_DOT else 0
 BLOCK_PIECES = (1, 3) if DOT_PATH == "vnni512" else ((1,) if INT_DOT else ())
 
 
+@numba.njit(**SERIAL)
+def _prefetch_start(tiles, j0, j1, planes, sc, cw):  # pragma: no cover - compiled
+    """Prefetch the first PREFETCH_AHEAD bytes of the planes a chunk of tiles starts with (and
+    their scales or scale codes): the part the tile loop's own prefetch, always PREFETCH_AHEAD
+    ahead, never covers. Requested at once, those lines arrive in parallel instead of as the
+    loop's demand misses; a small product starts each thread on one (SmolLM2's o-projection is
+    4-5 tiles a thread, 16 KB of them this start)."""
+    gpr = planes.shape[1]
+    tb = planes.shape[2] * 4 * planes.shape[3]  # bytes of a tile-group
+    b0 = tiles[j0] * gpr * tb
+    e = min(planes.size, b0 + PREFETCH_AHEAD, (tiles[j1 - 1] + 1) * gpr * tb)
+    for off in range(b0, e, 64):
+        prefetch_at(planes, off)
+    n = (e - b0 + tb - 1) // tb  # tile-groups covered
+    g0 = tiles[j0] * gpr
+    if sc.size:
+        st = sc.shape[2] * 2
+        for off in range(g0 * st, min(sc.size * 2, (g0 + n) * st), 64):
+            prefetch_at(sc, off)
+    if cw.size:
+        cb = cw.size // (planes.shape[0] * gpr)
+        for off in range(g0 * cb, min(cw.size, (g0 + n) * cb), 64):
+            prefetch_at(cw, off)
+
+
 @numba.njit(**SERIAL_ORDERED)
 def _tile(t, ti, kind, mode, planes, sc, cw, t0, pw, s, acc, xp, xs):  # pragma: no cover - compiled
     """acc[i] = row (t·R + i) · X[ti] for one packed tile.
@@ -135,6 +160,8 @@ def tiles_run(tiles, j0, j1, kind, planes, sc, cw, lad, params, exp2tab, ready, 
     width = 4 * planes.shape[2]
     per = xv.shape[1] // max(gpr, 1)  # packed int32 words of x per group
     three = xs.shape[1] == 3 * gpr
+    if i8 and j1 > j0:
+        _prefetch_start(tiles, j0, j1, planes, sc, cw)
     for j in range(j0, j1):
         t = tiles[j]
         if ready[t] == 0:
