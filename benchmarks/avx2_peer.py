@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cmf.format.reader import open as open_cmf
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_env  # noqa: E402
 from runtime import WORKER  # noqa: E402  - the same measurement as the runtime matrix
@@ -66,9 +68,6 @@ def pycmf_cell(model: Path, threads: int, cpu: str, cache: Path, int8: bool = Fa
 def peer_type(model: Path) -> str:
     """The llama.cpp type a pycmf file is set beside: Q8_0 where q8_row holds most of its matrix
     bytes, else Q4_0 (the 4-bit family and lower)."""
-    sys.path.insert(0, str(ROOT / "src"))
-    from cmf.format.reader import open as open_cmf
-
     by: dict[str, int] = {}
     with open_cmf(model) as f:
         for name in f.keys():
@@ -85,12 +84,15 @@ def peer_lines(results: dict, peers: dict[str, str]) -> list[str]:
              "AVX2 (per round) | AVX2 rounds |", "|---|---:|---:|---:|---:|---|"]
     for name, kind in peers.items():
         cols: list[str] = []
+        ratios: dict[str, list[float]] = {}
         for cpu in ("native", "haswell"):
             mine = [r["decode"] for r in results[(name, cpu)]]
             theirs = [r["decode"] for r in results[(f"llama.cpp {kind}", cpu)]]
-            ratios = [m / t for m, t in zip(mine, theirs)]  # the same round's two cells
-            cols += [f"{statistics.median(mine) / statistics.median(theirs):.2f}×", f"{statistics.median(ratios):.2f}×"]
-        lines.append(f"| {name} ÷ {kind} | {' | '.join(cols)} | {' / '.join(f'{r:.2f}' for r in ratios)} |")
+            ratios[cpu] = [m / t for m, t in zip(mine, theirs)]  # the same round's two cells
+            cols += [f"{statistics.median(mine) / statistics.median(theirs):.2f}×",
+                     f"{statistics.median(ratios[cpu]):.2f}×"]
+        rounds = " / ".join(f"{r:.2f}" for r in ratios["haswell"])
+        lines.append(f"| {name} ÷ {kind} | {' | '.join(cols)} | {rounds} |")
     return lines
 
 

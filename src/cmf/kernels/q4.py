@@ -41,7 +41,7 @@ from ..format.constants import GROUP
 from ._ir import DOT_PATH, INT_DOT, tile_dot_i8_crumbs, tile_dot_i8_nibbles, tile_dot_i8x3_crumbs, tile_dot_i8x3_nibbles
 from ._jit import DECODED, PARALLEL_ORDERED, SERIAL, SERIAL_ORDERED, field32, group_scales, prefetch_at, word_at
 from .ladder_scales import DECODED_SCALES, pack, scale_mode
-from .q4_stored import R, WIDTH, ZERO, decode_rows
+from .q4_stored import CODE_BYTES, R, WIDTH, ZERO, decode_rows
 from .xprep import fill_x, quantize_x
 
 
@@ -84,8 +84,7 @@ def _prefetch_start(tiles, j0, j1, planes, sc, cw):  # pragma: no cover - compil
         for off in range(g0 * st, min(sc.size * 2, (g0 + n) * st), 64):
             prefetch_at(sc, off)
     if cw.size:
-        cb = cw.size // (planes.shape[0] * gpr)
-        for off in range(g0 * cb, min(cw.size, (g0 + n) * cb), 64):
+        for off in range(g0 * CODE_BYTES, min(cw.size, (g0 + n) * CODE_BYTES), 64):
             prefetch_at(cw, off)
 
 
