@@ -22,6 +22,7 @@ from .blocks import Block
 from .cache import Cache
 from .experts import MoeStats, keep_counts
 from .features import check_runnable
+from .layer_stack import LayerStack
 from .load_checks import moe_keep, verify_or_refuse
 from .memory import EMBED_RELEASE_EVERY, ModelMemory
 from .ops.decode import rms_norm_into
@@ -99,6 +100,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         self._final_norm = self._norm(plan.final_norm)
         self._lm_head = w.linear(plan.lm_head)
         self._head_step = None  # the lm_head as a one-token MatvecGroup (project)
+        self._stack = None  # the decoder's layers as one call per token (layer_stack.py)
         self._embed_pages = self._embed_release_view()
         self._mtp = None  # the MTP head is built on first use (speculative.py)
         if old is not None:
@@ -160,10 +162,13 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         watch = self._count_forward(t)
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
-            for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
-                block.step(x, state, pos0, nt)
-                if watch:
-                    self._give_back(i)
+            if self._stack is None or self._stack.blocks is not self._blocks:
+                self._stack = LayerStack(self._blocks)
+            if watch or not self._stack.run(x, cache, pos0, nt):  # every layer in one call, or:
+                for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
+                    block.step(x, state, pos0, nt)
+                    if watch:
+                        self._give_back(i)
         else:
             for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                 x = block(x, state, pos0)

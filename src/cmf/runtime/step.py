@@ -222,12 +222,25 @@ class BlockStep:
         one = scatter is None and at.bias is None and at.attn.ob is None and all(c[0] is run_bound for c in calls)
         return (*calls, scatter, bind_layer(b, self.h, self.a, self.f, at, calls) if one else None)
 
-    def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
-        """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
+    def bound(self, nt: int) -> tuple | None:
+        """:meth:`_bind`'s calls for ``nt`` threads and the FFN's current products (bound again
+        when either changed since the last call)."""
         ffn = self.ffn.products() if self.ffn is not None else None
         if self._bound[0] != nt or self._bound[1] is not ffn:  # new thread count or task mask
             self._bound = (nt, ffn, self._bind(nt, ffn))
-        calls = self._bound[2]
+        return self._bound[2]
+
+    def layer_args(self, nt: int):  # noqa: ANN201 - a layer_step.LayerArgs or None
+        """The one-call layer's arguments (``layer_step.LayerArgs``) when this layer runs as one
+        compiled call on ``nt`` threads — bound, no head mask — else None."""
+        calls = self.bound(nt)
+        if calls is None or calls[5] is None or self.attn.attn.head_keep is not None:
+            return None
+        return calls[5]
+
+    def __call__(self, x: np.ndarray, state, pos: int, nt: int) -> np.ndarray:  # noqa: ANN001
+        """Advance x [1, hidden] through the layer in place (``nt``: threads for the products)."""
+        calls = self.bound(nt)
         if (calls is not None and type(state) is LayerKV and state.window is None
                 and self.attn.attn.head_keep is None):
             return self._plain(x, state, pos, nt, calls)

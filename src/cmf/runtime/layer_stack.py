@@ -1,0 +1,114 @@
+"""Every layer of a decoded token in one compiled call.
+
+Where each layer runs as one compiled call (``layer_step.py``), a token still made one such
+call per layer from Python, with the Python around it — the layer's binding check, the cache
+slot, the RoPE lookup, the call's argument conversion — run right after the products have
+streamed megabytes of weights through the caches, which evicts that Python's own objects. On
+SmolLM2-135M (30 layers) that cost ~12 µs a layer, ~8% of a decoded token (docs/PERFORMANCE.md,
+"One call a token"). :class:`LayerStack` makes the same ``layer_step`` calls, in the same order
+on the same arguments, from one compiled loop: the same bits.
+
+It applies when every layer can run as one call (``BlockStep.layer_args``), all layers share a
+RoPE profile and a full (not sliding) KV cache of one length, attention over it runs on one
+thread, and the layers' arguments have one numba type (a typed list holds them; a file whose
+layers mix dtypes has several types and keeps the per-layer calls). Anything else — or a token
+that changes what is bound (thread count, task masks) in a way that breaks one of these — falls
+back to the per-layer loop for that token, before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numba
+import numpy as np
+from numba.typed import List
+
+from .cache import LayerKV
+from .layer_step import layer_step
+from .ops.decode import attends_serially
+from .step import rope_at
+
+log = logging.getLogger(__name__)
+
+
+@numba.njit(cache=True, nogil=True)
+def stack_step(layers, x, cos, sin, keys, values, n, pos, k0):  # pragma: no cover - compiled
+    """x [1, hidden] through every layer in place: ``layer_step`` for each, cache entry ``n`` of
+    each layer's ``keys``/``values`` written."""
+    for i in range(len(layers)):
+        layer_step(layers[i], x, cos, sin, keys[i], values[i], n, pos, k0)
+
+
+class LayerStack:
+    """The layers of one model as one compiled call per token (see the module docstring)."""
+
+    def __init__(self, blocks: list) -> None:
+        self.blocks = blocks
+        self._args: list = []  # the LayerArgs the typed list was built from
+        self._typed = None  # numba typed List of them, or None when they have no common type
+        self._kv: tuple = (None, [], None, None)  # (cache, its layers' K arrays, typed K, typed V)
+
+    def _layer_args(self, nt: int) -> list | None:
+        out = []
+        for b in self.blocks:
+            step = b._step
+            if not b.alive or b.n_exit is not None or step is None or step.attn is None:
+                return None
+            args = step.layer_args(nt)
+            if args is None:
+                return None
+            out.append(args)
+        return out
+
+    def _typed_args(self, args: list):  # noqa: ANN202 - a numba typed List or None
+        if len(args) != len(self._args) or any(a is not b for a, b in zip(args, self._args)):
+            self._args = args
+            if len({numba.typeof(a) for a in args}) == 1:
+                self._typed = List(args)
+            else:  # layers of different dtypes: a typed list holds one type
+                log.debug("layer stack: the layers' arguments differ in type; one call a layer")
+                self._typed = None
+        return self._typed
+
+    def _typed_cache(self, cache) -> tuple:  # noqa: ANN001 - a runtime.cache.Cache
+        layers = cache.layers
+        held, ks = self._kv[0], self._kv[1]
+        if held is not cache or any(kv.k is not k for kv, k in zip(layers, ks)):
+            ks = [kv.k for kv in layers]
+            self._kv = (cache, ks, List(ks), List([kv.v for kv in layers]))
+        return self._kv[2], self._kv[3]
+
+    def run(self, x: np.ndarray, cache, pos: int, nt: int) -> bool:  # noqa: ANN001 - a runtime.cache.Cache
+        """Advance x [1, hidden] through every layer and the cache by one token, or return False
+        having changed nothing when the stack does not apply to this token."""
+        layers = cache.layers
+        if len(layers) != len(self.blocks):
+            return False
+        args = self._layer_args(nt)
+        if args is None:
+            return False
+        typed = self._typed_args(args)
+        if typed is None:
+            return False
+        first = layers[0]
+        n, start = first.n, first.start
+        attend = self.blocks[0]._step.attn
+        rope = attend.attend.rope
+        for b, kv in zip(self.blocks, layers):
+            if (type(kv) is not LayerKV or kv.window is not None or kv.n != n or kv.start != start
+                    or b._step.attn.attend.rope is not rope or b._step.attn.q.shape != attend.q.shape):
+                return False
+        if not attends_serially(attend.q, n + 1, nt):
+            return False
+        for kv in layers:
+            kv.reserve(1)
+        keys, values = self._typed_cache(cache)
+        cos, sin = rope_at(rope, pos)
+        stack_step(typed, x, cos, sin, keys, values, n, pos, start)
+        for kv in layers:
+            kv.n = n + 1
+        return True
+
+
+__all__ = ["LayerStack", "stack_step"]

@@ -1,0 +1,98 @@
+"""Every layer of a decoded token in one compiled call (runtime/layer_stack.py): the same logits
+as one call a layer, the KV cache grown and advanced alike, and the per-layer loop wherever the
+stack does not apply."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cmf  # noqa: E402
+from cmf.convert.hf import convert  # noqa: E402
+from cmf.runtime import layer_stack  # noqa: E402
+from cmf.runtime.layer_stack import LayerStack  # noqa: E402
+
+pytest.importorskip("transformers")
+import hf_fixtures as H  # noqa: E402
+
+_FILES: dict[tuple[str, str], Path] = {}
+
+
+def _converted(kind: str, quant: str) -> Path:
+    if (kind, quant) not in _FILES:
+        folder = H.fixture(kind)
+        out = folder.parent / f"{kind}-{quant}-stack.cmf"
+        if not out.exists():
+            convert(folder, out, quant=quant)
+        _FILES[kind, quant] = out
+    return _FILES[kind, quant]
+
+
+def _decode(path: Path, tokens: int, stacked: bool, monkeypatch) -> tuple[np.ndarray, int, list[int]]:
+    """Logits of a prompt and ``tokens`` greedy steps, how many steps ran as one stacked call,
+    and each layer's cache length at the end."""
+    calls = [0]
+    real = layer_stack.stack_step
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(layer_stack, "stack_step", counted)
+    if not stacked:
+        monkeypatch.setattr(LayerStack, "run", lambda self, *a: False)
+    ids = np.random.default_rng(3).integers(0, 200, 9).tolist()
+    with cmf.load(path) as m:
+        c = m.new_cache()
+        out = [m.prefill(ids, c)[-1:]]
+        for _ in range(tokens):
+            out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
+        lengths = [kv.n for kv in c.layers]
+    monkeypatch.undo()
+    return np.concatenate(out), calls[0], lengths
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4tp", "q8"])
+def test_stacked_decode_equals_one_call_a_layer(quant, monkeypatch):
+    """70 tokens after a 9-token prompt: the caches grow past their first 64 entries on the way."""
+    path = _converted("qwen3", quant)
+    stacked, n_stacked, len_a = _decode(path, 70, True, monkeypatch)
+    single, n_single, len_b = _decode(path, 70, False, monkeypatch)
+    # every token but the watched ones (decodes 1, 2, 4, ..., 64: memory.py gives pages back
+    # layer by layer there, so they run one call a layer)
+    assert n_single == 0 and n_stacked == sum(1 for n in range(1, 71) if n & (n - 1))
+    assert len_a == len_b == [79] * len(len_a)
+    assert np.array_equal(stacked, single)
+
+
+def test_layers_with_attention_biases_keep_one_call_a_layer(monkeypatch):
+    """qwen2's q/k/v biases keep its layers off the one-call form, so off the stack too."""
+    _, n_stacked, _ = _decode(_converted("qwen2", "q8"), 4, True, monkeypatch)
+    assert n_stacked == 0
+
+
+def test_a_stack_that_does_not_apply_changes_nothing(monkeypatch):
+    """A cache whose layers disagree in length is refused before anything is written."""
+    with cmf.load(_converted("qwen3", "q4tp")) as m:
+        c = m.new_cache()
+        m.prefill([1, 2, 3], c)
+        m.forward([4], c)  # binds every layer
+        c.layers[1].n -= 1
+        before = [(kv.n, kv.k.copy()) for kv in c.layers]
+        x = np.ones((1, m.plan.hidden), np.float32)
+        assert not m._stack.run(x, c, c.pos, 1)
+        assert np.all(x == 1)
+        for kv, (n, k) in zip(c.layers, before):
+            assert kv.n == n and kv.k.tobytes() == k.tobytes()  # (bytes: unwritten entries may hold NaN)
+
+
+def test_layers_of_different_types_are_not_stacked():
+    """A typed list needs one numba type: layer arguments of two types give no stack."""
+    stack = LayerStack([])
+    assert stack._typed_args([np.zeros(2, np.float32), np.zeros(2, np.int64)]) is None
+    assert stack._typed_args([np.zeros(2, np.float32), np.ones(2, np.float32)]) is not None
