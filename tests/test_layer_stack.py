@@ -96,3 +96,18 @@ def test_layers_of_different_types_are_not_stacked():
     stack = LayerStack([])
     assert stack._typed_args([np.zeros(2, np.float32), np.zeros(2, np.int64)]) is None
     assert stack._typed_args([np.zeros(2, np.float32), np.ones(2, np.float32)]) is not None
+
+
+def test_two_caches_in_turn_equal_each_alone(monkeypatch):
+    """Two sequences decoded in turn on one model (a server's sessions) give each one's logits."""
+    path = _converted("qwen3", "q4tp")
+    alone, _, _ = _decode(path, 6, True, monkeypatch)
+    ids = np.random.default_rng(3).integers(0, 200, 9).tolist()
+    with cmf.load(path) as m:
+        caches = [m.new_cache(), m.new_cache()]
+        outs = [[m.prefill(ids, c)[-1:]] for c in caches]
+        for _ in range(6):
+            for c, out in zip(caches, outs):
+                out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
+    for out in outs:
+        assert np.array_equal(np.concatenate(out), alone)

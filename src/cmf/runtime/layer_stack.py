@@ -19,6 +19,7 @@ back to the per-layer loop for that token, before anything is written.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numba
 import numpy as np
@@ -47,7 +48,8 @@ class LayerStack:
         self.blocks = blocks
         self._args: list = []  # the LayerArgs the typed list was built from
         self._typed = None  # numba typed List of them, or None when they have no common type
-        self._kv: tuple = (None, [], None, None)  # (cache, its layers' K arrays, typed K, typed V)
+        # per cache (a server may alternate between several): its layers' K arrays, typed K and V
+        self._kv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _layer_args(self, nt: int) -> list | None:
         out = []
@@ -73,11 +75,11 @@ class LayerStack:
 
     def _typed_cache(self, cache) -> tuple:  # noqa: ANN001 - a runtime.cache.Cache
         layers = cache.layers
-        held, ks = self._kv[0], self._kv[1]
-        if held is not cache or any(kv.k is not k for kv, k in zip(layers, ks)):
+        held = self._kv.get(cache)
+        if held is None or any(kv.k is not k for kv, k in zip(layers, held[0])):
             ks = [kv.k for kv in layers]
-            self._kv = (cache, ks, List(ks), List([kv.v for kv in layers]))
-        return self._kv[2], self._kv[3]
+            held = self._kv[cache] = (ks, List(ks), List([kv.v for kv in layers]))
+        return held[1], held[2]
 
     def run(self, x: np.ndarray, cache, pos: int, nt: int) -> bool:  # noqa: ANN001 - a runtime.cache.Cache
         """Advance x [1, hidden] through every layer and the cache by one token, or return False
@@ -92,6 +94,8 @@ class LayerStack:
         if typed is None:
             return False
         first = layers[0]
+        if type(first) is not LayerKV:
+            return False
         n, start = first.n, first.start
         attend = self.blocks[0]._step.attn
         rope = attend.attend.rope
