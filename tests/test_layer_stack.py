@@ -111,3 +111,49 @@ def test_two_caches_in_turn_equal_each_alone(monkeypatch):
                 out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
     for out in outs:
         assert np.array_equal(np.concatenate(out), alone)
+
+
+def _masked_run(path: Path, stacked: bool, monkeypatch) -> tuple[np.ndarray, int]:
+    """Three tokens unmasked, then an FFN task mask applied between tokens, three more, then
+    the mask removed, three more: the logits and how many tokens ran stacked."""
+    from cmf.format.masks import TaskMask
+    from cmf.runtime.task_masks import apply_task_mask
+
+    calls = [0]
+    real = layer_stack.stack_step
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(layer_stack, "stack_step", counted)
+    if not stacked:
+        monkeypatch.setattr(LayerStack, "run", lambda self, *a, **k: False)
+    ids = np.random.default_rng(5).integers(0, 200, 9).tolist()
+    with cmf.load(path) as m:
+        layers, width = len(m._blocks), m._blocks[0].ffn.width
+        heads = m._blocks[0].mixer.a.heads
+        keep = np.random.default_rng(6).random((layers, width)) < 0.6
+        mask = TaskMask(task_id=1, name="half", ffn=keep, heads=np.ones((layers, heads), bool),
+                        gates=np.ones(layers, bool), sparsity=0.4)
+        c = m.new_cache()
+        out = [m.prefill(ids, c)[-1:]]
+        for stage in (None, mask, None):
+            apply_task_mask(m, stage)
+            for _ in range(3):
+                out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
+    monkeypatch.undo()
+    return np.concatenate(out), calls[0]
+
+
+def test_a_task_mask_switched_between_tokens_is_followed(monkeypatch):
+    """Switching a task mask rebinds the layers' FFN products; the stack follows it (its short
+    way is keyed on the mask epoch): off while the masked layers cannot be one call, on again
+    after, with the per-layer logits throughout."""
+    path = _converted("qwen3", "q4tp")
+    stacked, n = _masked_run(path, True, monkeypatch)
+    single, n_single = _masked_run(path, False, monkeypatch)
+    # decodes 1, 2, 4 and 8 are watched (one call a layer); under the mask the down projections
+    # take a scatter, which keeps the layers off the one-call form: 3, 7 and 9 are stacked
+    assert n_single == 0 and n == 3
+    assert np.array_equal(stacked, single)

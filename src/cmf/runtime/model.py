@@ -164,7 +164,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
             if self._stack is None or self._stack.blocks is not self._blocks:
                 self._stack = LayerStack(self._blocks)
-            if watch or not self._stack.run(x, cache, pos0, nt):  # every layer in one call, or:
+            if watch or not self._stack.run(x, cache, pos0, nt, getattr(self, "mask_epoch", 0)):  # one call, or:
                 for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                     block.step(x, state, pos0, nt)
                     if watch:
