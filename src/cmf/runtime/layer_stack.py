@@ -13,7 +13,9 @@ RoPE profile and a full (not sliding) KV cache of one length, attention over it 
 thread, and the layers' arguments have one numba type (a typed list holds them; a file whose
 layers mix dtypes has several types and keeps the per-layer calls). Anything else — or a token
 that changes what is bound (thread count, task masks) in a way that breaks one of these — falls
-back to the per-layer loop for that token, before anything is written.
+back to the per-layer loop for that token, before anything is written. Those checks are a pass
+over the layers in Python, ~170 µs a token in the step; while nothing they depend on has moved
+(see :meth:`LayerStack.run`) a token skips them.
 """
 
 from __future__ import annotations
