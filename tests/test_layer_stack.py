@@ -33,9 +33,10 @@ def _converted(kind: str, quant: str) -> Path:
     return _FILES[kind, quant]
 
 
-def _decode(path: Path, tokens: int, stacked: bool, monkeypatch) -> tuple[np.ndarray, int, list[int]]:
-    """Logits of a prompt and ``tokens`` greedy steps, how many steps ran as one stacked call,
-    and each layer's cache length at the end."""
+def _decode(path: Path, tokens: int, stacked: bool, monkeypatch, kv_cache: str = "f32",
+            prompt: int = 9) -> tuple[np.ndarray, int, list[int]]:
+    """Logits of a ``prompt``-token prompt and ``tokens`` greedy steps, how many steps ran as
+    one stacked call, and each layer's cache length at the end."""
     calls = [0]
     real = layer_stack.stack_step
 
@@ -46,8 +47,8 @@ def _decode(path: Path, tokens: int, stacked: bool, monkeypatch) -> tuple[np.nda
     monkeypatch.setattr(layer_stack, "stack_step", counted)
     if not stacked:
         monkeypatch.setattr(LayerStack, "run", lambda self, *a: False)
-    ids = np.random.default_rng(3).integers(0, 200, 9).tolist()
-    with cmf.load(path) as m:
+    ids = np.random.default_rng(3).integers(0, 200, prompt).tolist()
+    with cmf.load(path, kv_cache=kv_cache) as m:
         c = m.new_cache()
         out = [m.prefill(ids, c)[-1:]]
         for _ in range(tokens):
@@ -57,16 +58,17 @@ def _decode(path: Path, tokens: int, stacked: bool, monkeypatch) -> tuple[np.nda
     return np.concatenate(out), calls[0], lengths
 
 
-@pytest.mark.parametrize("quant", ["f32", "q4tp", "q8"])
-def test_stacked_decode_equals_one_call_a_layer(quant, monkeypatch):
-    """70 tokens after a 9-token prompt: the caches grow past their first 64 entries on the way."""
+@pytest.mark.parametrize("quant,kv_cache", [("f32", "f32"), ("q4tp", "f32"), ("q8", "f32"), ("q4tp", "f16")])
+def test_stacked_decode_equals_one_call_a_layer(quant, kv_cache, monkeypatch):
+    """12 tokens after a 58-token prompt: the caches grow past their first 64 entries on the way
+    (an f16 cache too: its entries are stored as f16 bits)."""
     path = _converted("qwen3", quant)
-    stacked, n_stacked, len_a = _decode(path, 70, True, monkeypatch)
-    single, n_single, len_b = _decode(path, 70, False, monkeypatch)
-    # every token but the watched ones (decodes 1, 2, 4, ..., 64: memory.py gives pages back
-    # layer by layer there, so they run one call a layer)
-    assert n_single == 0 and n_stacked == sum(1 for n in range(1, 71) if n & (n - 1))
-    assert len_a == len_b == [79] * len(len_a)
+    stacked, n_stacked, len_a = _decode(path, 12, True, monkeypatch, kv_cache, prompt=58)
+    single, n_single, len_b = _decode(path, 12, False, monkeypatch, kv_cache, prompt=58)
+    # every token but the watched ones (decodes 1, 2, 4 and 8: memory.py gives pages back layer
+    # by layer there, so they run one call a layer)
+    assert n_single == 0 and n_stacked == 8
+    assert len_a == len_b == [70] * len(len_a)
     assert np.array_equal(stacked, single)
 
 
