@@ -33,10 +33,9 @@ def _converted(kind: str, quant: str) -> Path:
     return _FILES[kind, quant]
 
 
-def _decode(path: Path, tokens: int, stacked: bool, monkeypatch, kv_cache: str = "f32",
-            prompt: int = 9) -> tuple[np.ndarray, int, list[int]]:
-    """Logits of a ``prompt``-token prompt and ``tokens`` greedy steps, how many steps ran as
-    one stacked call, and each layer's cache length at the end."""
+def _count_stacked(monkeypatch, stacked: bool) -> list[int]:
+    """A one-item list that counts the stacked tokens from now on; with ``stacked`` False the
+    stack is turned off (every token one call a layer)."""
     calls = [0]
     real = layer_stack.stack_step
 
@@ -46,7 +45,15 @@ def _decode(path: Path, tokens: int, stacked: bool, monkeypatch, kv_cache: str =
 
     monkeypatch.setattr(layer_stack, "stack_step", counted)
     if not stacked:
-        monkeypatch.setattr(LayerStack, "run", lambda self, *a: False)
+        monkeypatch.setattr(LayerStack, "run", lambda self, *a, **k: False)
+    return calls
+
+
+def _decode(path: Path, tokens: int, stacked: bool, monkeypatch, kv_cache: str = "f32",
+            prompt: int = 9) -> tuple[np.ndarray, int, list[int]]:
+    """Logits of a ``prompt``-token prompt and ``tokens`` greedy steps, how many steps ran as
+    one stacked call, and each layer's cache length at the end."""
+    calls = _count_stacked(monkeypatch, stacked)
     ids = np.random.default_rng(3).integers(0, 200, prompt).tolist()
     with cmf.load(path, kv_cache=kv_cache) as m:
         c = m.new_cache()
@@ -121,16 +128,7 @@ def _masked_run(path: Path, stacked: bool, monkeypatch) -> tuple[np.ndarray, int
     from cmf.format.masks import TaskMask
     from cmf.runtime.task_masks import apply_task_mask
 
-    calls = [0]
-    real = layer_stack.stack_step
-
-    def counted(*args):  # noqa: ANN002, ANN202
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(layer_stack, "stack_step", counted)
-    if not stacked:
-        monkeypatch.setattr(LayerStack, "run", lambda self, *a, **k: False)
+    calls = _count_stacked(monkeypatch, stacked)
     ids = np.random.default_rng(5).integers(0, 200, 9).tolist()
     with cmf.load(path) as m:
         layers, width = len(m._blocks), m._blocks[0].ffn.width
