@@ -70,6 +70,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         self._check_skill(skill)
         self._auto: str | None = None  # "skill" / "blend": route every prompt (see select)
         self.last_route = None  # the latest routing.Route, when a prompt was routed
+        self.mask_epoch = 0  # task-mask changes so far (task_masks.apply_task_mask; layer_stack.py)
         self._bb_weights: Weights | None = None  # backbone view for routing while a skill is active
         self.weights = Weights(file, None if skill in ("auto", "none") else skill,
                                reference_kernels=reference_kernels, int8_activations=self.int8_activations)
@@ -164,7 +165,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
             if self._stack is None or self._stack.blocks is not self._blocks:
                 self._stack = LayerStack(self._blocks)
-            if watch or not self._stack.run(x, cache, pos0, nt, getattr(self, "mask_epoch", 0)):  # one call, or:
+            if watch or not self._stack.run(x, cache, pos0, nt, self.mask_epoch):  # every layer in one call, or:
                 for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                     block.step(x, state, pos0, nt)
                     if watch:
