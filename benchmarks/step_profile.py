@@ -62,7 +62,8 @@ def _bind(self, nt, ffn):
     if calls is None:
         return None
     *four, scatter, _layer = calls
-    # without the one-call layer (layer_step.py): its products could not be timed one by one
+    # without the one-call layer (layer_step.py), and so without the layer stack (layer_stack.py):
+    # its products could not be timed one by one; the total is the eight-call step's
     return (*[(timed(n, f), a) for n, (f, a) in zip(("qkv", "o", "gate_up", "down"), four)], scatter, None)
 
 S.BlockStep._bind = _bind
