@@ -157,3 +157,28 @@ def test_a_task_mask_switched_between_tokens_is_followed(monkeypatch):
     # take a scatter, which keeps the layers off the one-call form: 3, 7 and 9 are stacked
     assert n_single == 0 and n == 3
     assert np.array_equal(stacked, single)
+
+
+def test_a_cache_shrunk_between_tokens_is_followed(monkeypatch):
+    """The server's ``reserve`` and ``shrink`` reallocate a sequence's arrays between tokens; the
+    tokens decoded on that cache afterwards write the new arrays (the short way sees
+    LayerKV.moves change) and read what was copied into them."""
+    from cmf.runtime.batched import reserve, shrink
+
+    path = _converted("qwen3", "q4tp")
+    ids = np.random.default_rng(3).integers(0, 200, 9).tolist()
+    outs = []
+    for shrunk in (False, True):
+        with cmf.load(path) as m:
+            c = m.new_cache()
+            out = [m.prefill(ids, c)[-1:]]
+            for t in range(8):
+                if shrunk and t == 2:
+                    reserve(c, 200)
+                    assert c.layers[-1].k.shape[0] >= 200
+                if shrunk and t == 5:
+                    shrink(c)
+                    assert [kv.k.shape[0] for kv in c.layers] == [kv.n for kv in c.layers]
+                out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
+            outs.append(np.concatenate(out))
+    assert np.array_equal(outs[0], outs[1])

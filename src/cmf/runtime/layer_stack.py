@@ -52,7 +52,7 @@ class LayerStack:
         self._typed = None  # numba typed List of them, or None when they have no common type
         # per cache (a server may alternate between several): its layers' K arrays, typed K and V
         self._kv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # after a stacked token: (the cache, weakly; threads, mask epoch, its next entry, layer 0's K array,
+        # after a stacked token: (the cache, weakly; threads, mask epoch, its next entry, LayerKV.moves,
         # layer 0's q buffer, the RoPE profile) — what run's short way compares
         self._last: tuple | None = None
 
@@ -90,7 +90,7 @@ class LayerStack:
         """Advance x [1, hidden] through every layer and the cache by one token, or return False
         having changed nothing when the stack does not apply to this token. ``epoch`` counts the
         task-mask changes (``task_masks.apply_task_mask``): while it, the thread count and the
-        cache stay as at the last stacked token, and the cache was not moved or grown since,
+        cache stay as at the last stacked token, and no KV array anywhere was moved since,
         the layers' checks are not redone (in a decode step, run after the weight stream, they
         cost ~170 µs a token on SmolLM2-135M, against ~6 µs for the short way)."""
         layers = cache.layers
@@ -98,8 +98,9 @@ class LayerStack:
         if last is not None and last[0]() is cache and last[1] == nt and last[2] == epoch:
             first = layers[0]
             n = first.n
-            k = first.k
-            if n == last[3] and k is last[4] and n < k.shape[0] and attends_serially(last[5], n + 1, nt):
+            # LayerKV.moves counts every K/V array replaced anywhere: unchanged, no layer's moved
+            if (n == last[3] and LayerKV.moves == last[4] and n < first.capacity
+                    and attends_serially(last[5], n + 1, nt)):
                 held = self._kv[cache]
                 cos, sin = rope_at(last[6], pos)
                 stack_step(self._typed, x, cos, sin, held[1], held[2], n, pos, first.start)
@@ -112,7 +113,7 @@ class LayerStack:
             return False
         first = layers[0]
         attn = self.blocks[0]._step.attn
-        self._last = (weakref.ref(cache), nt, epoch, first.n, first.k, attn.q, attn.attend.rope)
+        self._last = (weakref.ref(cache), nt, epoch, first.n, LayerKV.moves, attn.q, attn.attend.rope)
         return True
 
     def _checked_run(self, x: np.ndarray, cache, pos: int, nt: int) -> bool:  # noqa: ANN001 - a Cache
