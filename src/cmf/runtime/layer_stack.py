@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -43,6 +44,18 @@ def stack_step(layers, x, cos, sin, keys, values, n, pos, k0):  # pragma: no cov
         layer_step(layers[i], x, cos, sin, keys[i], values[i], n, pos, k0)
 
 
+class _Last(NamedTuple):
+    """What the last stacked token left, for :meth:`LayerStack.run`'s short way to compare."""
+
+    cache: weakref.ref
+    threads: int
+    epoch: int
+    n: int  # the cache entry the next token goes to
+    moves: int  # LayerKV.moves then
+    q: np.ndarray  # layer 0's query buffer (its shape decides serial attention)
+    rope: object  # the layers' RoPE profile
+
+
 class LayerStack:
     """The layers of one model as one compiled call per token (see the module docstring)."""
 
@@ -52,15 +65,13 @@ class LayerStack:
         self._typed = None  # numba typed List of them, or None when they have no common type
         # per cache (a server may alternate between several): its layers' K arrays, typed K and V
         self._kv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # after a stacked token: (the cache, weakly; threads, mask epoch, its next entry, LayerKV.moves,
-        # layer 0's q buffer, the RoPE profile) — what run's short way compares
-        self._last: tuple | None = None
+        self._last: _Last | None = None
 
     def _layer_args(self, nt: int) -> list | None:
         out = []
         for b in self.blocks:
             step = b._step
-            if not b.alive or b.n_exit is not None or step is None or step.attn is None:
+            if not b.alive or b.n_exit is not None or step is None:
                 return None
             args = step.layer_args(nt)
             if args is None:
@@ -89,32 +100,36 @@ class LayerStack:
     def run(self, x: np.ndarray, cache, pos: int, nt: int, epoch: int = 0) -> bool:  # noqa: ANN001 - a Cache
         """Advance x [1, hidden] through every layer and the cache by one token, or return False
         having changed nothing when the stack does not apply to this token. ``epoch`` counts the
-        task-mask changes (``task_masks.apply_task_mask``): while it, the thread count and the
-        cache stay as at the last stacked token, and no KV array anywhere was moved since,
-        the layers' checks are not redone (in a decode step, run after the weight stream, they
-        cost ~170 µs a token on SmolLM2-135M, against ~6 µs for the short way)."""
+        changes to what the layers bind (``Model.step_epoch``: task masks, rebuilt layers): while
+        it, the thread count and the cache stay as at the last stacked token, and no KV array
+        anywhere was moved since, the layers' checks are not redone (in a decode step, run after the weight stream, they
+        cost ~170 µs a token on SmolLM2-135M, against ~40 µs for the short way)."""
         layers = cache.layers
         last = self._last
-        if last is not None and last[0]() is cache and last[1] == nt and last[2] == epoch:
+        if last is not None and last.cache() is cache and last.threads == nt and last.epoch == epoch:
             first = layers[0]
             n = first.n
             # LayerKV.moves counts every K/V array replaced anywhere: unchanged, no layer's moved
-            if (n == last[3] and LayerKV.moves == last[4] and n < first.capacity
-                    and attends_serially(last[5], n + 1, nt)):
+            if (n == last.n and LayerKV.moves == last.moves and n < first.capacity
+                    and attends_serially(last.q, n + 1, nt)):
                 held = self._kv[cache]
-                cos, sin = rope_at(last[6], pos)
-                stack_step(self._typed, x, cos, sin, held[1], held[2], n, pos, first.start)
-                for kv in layers:
-                    kv.n = n + 1
-                self._last = (*last[:3], n + 1, *last[4:])
+                self._advance(x, layers, held[1], held[2], last.rope, n, pos, first.start)
+                self._last = last._replace(n=n + 1)
                 return True
         self._last = None
         if not self._checked_run(x, cache, pos, nt):
             return False
-        first = layers[0]
         attn = self.blocks[0]._step.attn
-        self._last = (weakref.ref(cache), nt, epoch, first.n, LayerKV.moves, attn.q, attn.attend.rope)
+        self._last = _Last(weakref.ref(cache), nt, epoch, layers[0].n, LayerKV.moves, attn.q, attn.attend.rope)
         return True
+
+    def _advance(self, x: np.ndarray, layers: list, keys, values, rope, n: int, pos: int,  # noqa: ANN001
+                 start: int) -> None:
+        """The stacked call for entry ``n`` at ``pos``, then every layer's cache advanced past it."""
+        cos, sin = rope_at(rope, pos)
+        stack_step(self._typed, x, cos, sin, keys, values, n, pos, start)
+        for kv in layers:
+            kv.n = n + 1
 
     def _checked_run(self, x: np.ndarray, cache, pos: int, nt: int) -> bool:  # noqa: ANN001 - a Cache
         """:meth:`run` with every condition checked."""
@@ -124,8 +139,7 @@ class LayerStack:
         args = self._layer_args(nt)
         if args is None:
             return False
-        typed = self._typed_args(args)
-        if typed is None:
+        if self._typed_args(args) is None:
             return False
         first = layers[0]
         if type(first) is not LayerKV:
@@ -142,10 +156,7 @@ class LayerStack:
         for kv in layers:
             kv.reserve(1)
         keys, values = self._typed_cache(cache)
-        cos, sin = rope_at(rope, pos)
-        stack_step(typed, x, cos, sin, keys, values, n, pos, start)
-        for kv in layers:
-            kv.n = n + 1
+        self._advance(x, layers, keys, values, rope, n, pos, start)
         return True
 
 

@@ -70,7 +70,9 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         self._check_skill(skill)
         self._auto: str | None = None  # "skill" / "blend": route every prompt (see select)
         self.last_route = None  # the latest routing.Route, when a prompt was routed
-        self.mask_epoch = 0  # task-mask changes so far (task_masks.apply_task_mask; layer_stack.py)
+        # changes to what the decode step binds so far: task masks (task_masks.apply_task_mask) and
+        # layers rebuilt (_replace_block); layer_stack.py redoes its checks when it moves
+        self.step_epoch = 0
         self._bb_weights: Weights | None = None  # backbone view for routing while a skill is active
         self.weights = Weights(file, None if skill in ("auto", "none") else skill,
                                reference_kernels=reference_kernels, int8_activations=self.int8_activations)
@@ -94,6 +96,11 @@ class Model(Selection, Router, MoeStats, ModelMemory):
     def _norm(self, name: str | None) -> np.ndarray | None:
         return prepare_norm_weight(self.weights.vector(name), self.plan.gemma_norm) if name else None
 
+    def _replace_block(self, i: int, block: Block) -> None:
+        """Layer ``i`` is now ``block`` (a skill switch, a re-preparation)."""
+        self._blocks[i] = block
+        self.step_epoch += 1
+
     def _prepare(self) -> None:
         w, plan = self.weights, self.plan
         old = getattr(self, "_blocks", None)
@@ -101,7 +108,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         self._final_norm = self._norm(plan.final_norm)
         self._lm_head = w.linear(plan.lm_head)
         self._head_step = None  # the lm_head as a one-token MatvecGroup (project)
-        self._stack = None  # the decoder's layers as one call per token (layer_stack.py)
+        self._stack = LayerStack(self._blocks)  # the decoder's layers as one call per token
         self._embed_pages = self._embed_release_view()
         self._mtp = None  # the MTP head is built on first use (speculative.py)
         if old is not None:
@@ -163,9 +170,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
         watch = self._count_forward(t)
         if t == 1:  # decode: the fused one-token step over per-layer buffers (runtime/step.py)
             nt = numba.get_num_threads()  # read once: numba's accessor costs ~2 us a call
-            if self._stack is None or self._stack.blocks is not self._blocks:
-                self._stack = LayerStack(self._blocks)
-            if watch or not self._stack.run(x, cache, pos0, nt, self.mask_epoch):  # every layer in one call, or:
+            if watch or not self._stack.run(x, cache, pos0, nt, self.step_epoch):  # every layer in one call, or:
                 for i, (block, state) in enumerate(zip(self._blocks, cache.layers)):
                     block.step(x, state, pos0, nt)
                     if watch:
@@ -264,7 +269,7 @@ class Model(Selection, Router, MoeStats, ModelMemory):
 
         w.linear = linear
         try:
-            self._blocks[layer] = self._make_block(self.plan.layers[layer])
+            self._replace_block(layer, self._make_block(self.plan.layers[layer]))
         finally:
             if hooked:
                 w.linear = take

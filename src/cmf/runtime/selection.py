@@ -153,7 +153,7 @@ class Selection:
         for i, lp in enumerate(plan.layers):
             if plan_names(lp) & changed:
                 old = self._blocks[i]
-                self._blocks[i] = self._make_block(lp)
+                self._replace_block(i, self._make_block(lp))
                 keep_counts(old, self._blocks[i])  # statistics survive a switch
                 rebuilt += 1
         if plan.final_norm in changed:
