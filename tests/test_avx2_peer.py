@@ -41,3 +41,17 @@ def test_peer_lines_pair_each_round() -> None:
     lines = avx2_peer.peer_lines(results, {"pycmf x": "Q4_0"})
     # native: cells 99/100; rounds 1.2, 0.9, 1.0 -> 1.0. AVX2: cells 88/90; rounds 1.1, 0.8, 1.1 -> 1.1
     assert lines[-1] == "| pycmf x ÷ Q4_0 | 0.99× | 1.00× | 0.98× | 1.10× | 1.10 / 0.80 / 1.10 |"
+
+
+def test_each_pycmf_cell_runs_beside_its_peer() -> None:
+    """A round runs, on each target, each llama.cpp type and then the pycmf files set beside it,
+    so a ratio's two cells are back to back (this host's speed drifts over minutes)."""
+    peers = {"pycmf q8": "Q8_0", "pycmf q4": "Q4_0", "pycmf q4 +i8": "Q4_0"}
+    cells = [(f"llama.cpp {k}", cpu, None) for k in ("Q8_0", "Q4_0") for cpu in ("native", "haswell")]
+    cells += [(name, cpu, None) for name in peers for cpu in ("native", "haswell")]
+    order = [(name, cpu) for name, cpu, _ in avx2_peer.adjacent(cells, peers)]
+    assert order == [("llama.cpp Q8_0", "native"), ("pycmf q8", "native"), ("llama.cpp Q4_0", "native"),
+                     ("pycmf q4", "native"), ("pycmf q4 +i8", "native"), ("llama.cpp Q8_0", "haswell"),
+                     ("pycmf q8", "haswell"), ("llama.cpp Q4_0", "haswell"), ("pycmf q4", "haswell"),
+                     ("pycmf q4 +i8", "haswell")]
+    assert len(order) == len(cells)
