@@ -143,6 +143,83 @@ def test_in_place_refuses_when_a_payload_grows(tmp_path) -> None:
     assert not list(tmp_path.glob(".*requant"))
 
 
+def _with_f32_smalls(path, big: float = 1.0) -> dict[str, np.ndarray]:
+    """A model whose norms, a bias and a router are stored at f32 (as ``convert --quant f32``
+    writes them), one 1-D tensor at bf16 and one f32 norm scaled by ``big``."""
+    rng = np.random.default_rng(3)
+    smalls = {"model.norm.weight": (1 + 0.1 * rng.standard_normal(256)).astype(np.float32),
+              "model.layers.0.input_layernorm.weight": (big * (1 + 0.1 * rng.standard_normal(256))).astype(np.float32),
+              "model.layers.0.self_attn.q_proj.bias": (0.1 * rng.standard_normal(96)).astype(np.float32),
+              "model.layers.0.mlp.gate.weight": _w(8, 256, 40)}  # a router: precision-critical
+    with CmfWriter(path, header(quant_type="F32")) as w:
+        w.add_array("model.embed_tokens.weight", _w(128, 256, 0), "f32")
+        w.add_array("model.layers.0.self_attn.q_proj.weight", _w(96, 256, 1), "f32")
+        w.add_array("model.layers.0.mlp.down_proj.weight", _w(256, 96, 2), "f32")
+        for name, v in smalls.items():
+            w.add_array(name, v, "f32")
+        w.add_array("model.layers.0.post_attention_layernorm.weight", 1 + _w(1, 256, 7)[0], "bf16")
+    return smalls
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_small_f32_tensors_become_f16_as_convert_writes_them(tmp_path, in_place: bool) -> None:
+    """Norms, biases and the precision-critical matrices are kept out of the quantizers; stored at
+    f32 (an f32 source) a requant to a quantized profile writes them at f16, what ``convert``
+    writes and FORMATS.md states, with f16's exact values; f16/bf16 ones are kept byte for byte."""
+    src, dst = tmp_path / "in.cmf", tmp_path / "out.cmf"
+    smalls = _with_f32_smalls(src)
+    with cmf_open(src) as f:
+        bf16_hash = f.tensor("model.layers.0.post_attention_layernorm.weight").hash
+    report = requant(src, None if in_place else dst, quant="q4tp", in_place=in_place)
+    out = src if in_place else dst
+    why = {e["name"]: e["reason"] for e in report["entries"]}
+    with cmf_open(out) as f:
+        assert f.verify() == []
+        for name, v in smalls.items():
+            t = f.tensor(name)
+            assert t.dtype.label == "f16", name
+            assert np.array_equal(f.array(name), v.astype(np.float16).astype(np.float32)), name
+            assert why[name].endswith("f32 -> f16")
+        t = f.tensor("model.layers.0.post_attention_layernorm.weight")
+        assert t.dtype.label == "bf16" and t.hash == bf16_hash
+        assert f.tensor("model.layers.0.self_attn.q_proj.weight").dtype.label == "q4tp"
+    assert why["model.layers.0.post_attention_layernorm.weight"] == "not 2-D"
+    # a float target stores every tensor in that float, as before
+    requant(out, tmp_path / "f32.cmf", quant="f32")
+    with cmf_open(tmp_path / "f32.cmf") as f:
+        assert f.tensor("model.norm.weight").dtype.label == "f32"
+
+
+def test_a_small_f32_tensor_outside_f16_range_stays_f32(tmp_path) -> None:
+    src, dst = tmp_path / "in.cmf", tmp_path / "out.cmf"
+    smalls = _with_f32_smalls(src, big=1e5)  # f16 would store ±inf
+    report = requant(src, dst, quant="q4tp")
+    with cmf_open(dst) as f:
+        t = f.tensor("model.layers.0.input_layernorm.weight")
+        assert t.dtype.label == "f32"
+        assert np.array_equal(f.array(t.name), smalls[t.name])
+        assert f.tensor("model.norm.weight").dtype.label == "f16"
+    assert {e["name"]: e["reason"] for e in report["entries"]}["model.layers.0.input_layernorm.weight"] == "not 2-D"
+
+
+def test_a_budget_counts_the_small_tensors_at_f16(tmp_path) -> None:
+    """--target-mb plans with the f16 sizes requant writes for an f32 file's norms: the file
+    fits and the budget's room is spent on the matrices."""
+    src, dst = tmp_path / "in.cmf", tmp_path / "out.cmf"
+    _with_f32_smalls(src)
+    from cmf.convert.budget import file_budget
+    from cmf.convert.policy import Policy
+
+    with cmf_open(src) as f:
+        plan, moved = file_budget(f, Policy.make("q4tp"), lambda n: True, 10**9)
+    requant(src, dst, quant="q4tp", target_mb=0.09)
+    assert dst.stat().st_size <= 90_000
+    with cmf_open(dst) as f:
+        assert f.tensor("model.norm.weight").dtype.label == "f16"
+        # the bytes the plan fixed before choosing are the bytes written for those tensors
+        assert plan.summary()["fixed_bytes"] == sum(t.nbytes for t in f.tensors() if t.name not in moved)
+
+
 def test_refusals(tmp_path) -> None:
     src = tmp_path / "in.cmf"
     build(src, quant="q8_row")

@@ -152,6 +152,30 @@ class Policy:
         return out
 
 
+SMALL_REASONS = ("not 2-D", "< 32 elements", "precision-critical")
+F16_MAX = 65504.0
+
+
+def narrowed_small(policy: Policy, name: str, shape: tuple[int, ...], stored: str, values: Any = None) -> Choice | None:
+    """``requant``'s choice for a tensor the policy keeps out of the quantizers (1-D, under 32
+    elements, precision-critical) and stores at f16: f16 when the file holds it at f32, so that a
+    requant of an f32 file writes what ``convert`` would have (norms and biases at f16, FORMATS.md),
+    else None (kept as stored: f16, bf16, integer, or a float target). ``values`` (the stored
+    payload, raw bytes or float32), when given, must fit f16's range; a tensor that does not
+    stays f32 (``convert`` would have written ±inf)."""
+    import numpy as np
+
+    choice = policy.choose(name, shape)
+    if stored != "f32" or choice.dtype != "f16" or choice.reason not in SMALL_REASONS:
+        return None
+    if values is not None:
+        v = np.asarray(values)
+        v = v.view("<f4") if v.dtype != np.float32 else v  # an f32 payload's bytes are little-endian f32
+        if v.size and float(np.nanmax(np.abs(np.where(np.isfinite(v), v, 0)))) > F16_MAX:
+            return None
+    return Choice("f16", {}, choice.reason + ", f32 -> f16")
+
+
 def is_expert(name: str) -> bool:
     """A routed expert matrix ``...mlp.experts.{e}.{gate,up,down}_proj.weight``."""
     return EXPERT.search(name) is not None

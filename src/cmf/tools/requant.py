@@ -5,7 +5,8 @@ also how q4_tiled/q4_block become q4tp, so values move slightly; ``cmf quant-rep
 by how much). Which matrices, and which dtype each gets, is the converter's policy
 (:class:`cmf.convert.policy.Policy`): 1-D tensors, tensors under 32 elements and the
 precision-critical ones it keeps f16 (MoE routers, shared-expert gates, ``g_proj``, conv1d,
-GDN a/b) are never touched, a matrix whose input width is not a multiple of 32 gets q8_2f
+GDN a/b) are not quantized — stored at f32 they become f16, as ``convert`` writes them
+(``policy.narrowed_small``), otherwise they are kept —, a matrix whose input width is not a multiple of 32 gets q8_2f
 when the quant needs whole groups, and ``q2tp`` is the profile (expert or dense FFN gate/up
 q2tp, the rest q4tp). Matrices already in their target dtype, reserved dtypes and token→expert
 tables are kept byte for byte; so are masks, vocab, skills and the header (``quant_type``
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 NAME = "requant"
 SUMMARY = "re-encode a model's matrices to another quant (q4t -> q4tp, q8 -> q4tp, ...), or in place"
 QUANT_HELP = "target: f32, f16, bf16, q8, q8_2f, q4, q4t, q4tp, q2tp (profile), vbit, q1, q1p, q1s, q1t"
-_SMALL = ("not 2-D", "< 32 elements", "precision-critical")
+_SMALL = ("not 2-D", "< 32 elements", "precision-critical")  # policy.SMALL_REASONS
 
 
 def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
@@ -61,8 +62,12 @@ def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool
     return not any(fnmatch.fnmatchcase(name, g) for g in exclude)
 
 
-def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> tuple[Any, str]:  # noqa: ANN001
-    """(Choice or None, reason) for one stored tensor: what requant does with it and why."""
+def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (),  # noqa: ANN001
+              values: np.ndarray | None = None) -> tuple[Any, str]:
+    """(Choice or None, reason) for one stored tensor: what requant does with it and why.
+    ``values``: its stored array, for the f16 range check of the tensors kept out of the
+    quantizers (``policy.narrowed_small``)."""
+    from ..convert.policy import narrowed_small
     from ..format.constants import RESERVED_DTYPES
 
     if not _selected(t.name, include, exclude):
@@ -71,11 +76,10 @@ def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (
         return None, f"reserved dtype {t.dtype.label}"
     if t.name.endswith(".tid2eid"):
         return None, "token->expert table"
-    if len(t.shape) != 2 or t.numel < 32:
-        return None, "not 2-D" if len(t.shape) != 2 else "< 32 elements"
     choice = policy.choose(t.name, tuple(t.shape))
     if choice.reason in _SMALL:
-        return None, choice.reason
+        small = narrowed_small(policy, t.name, tuple(t.shape), t.dtype.label, values)
+        return (small, small.reason) if small is not None else (None, choice.reason)
     if choice.dtype == t.dtype.label:
         return None, "already " + choice.dtype
     return choice, choice.reason
@@ -223,7 +227,7 @@ def _rewrite(src: Path, dst: Path, quant: str, include, exclude, mean_bits, prog
         with CmfWriter(dst, header, packed=budget is not None) as w:
             for t in f.tensors():
                 view = _checked_view(src, t)
-                choice, reason = target_of(policy, t, include, exclude)
+                choice, reason = target_of(policy, t, include, exclude, view)
                 if t.name in moved:
                     choice, reason = moved[t.name], "budget"
                     if choice.dtype == t.dtype.label:
@@ -274,7 +278,7 @@ def _in_place(path: Path, quant: str, include, exclude, mean_bits, progress, cal
             policy = _policy(quant, f.keys(), mean_bits)
             for i, t in enumerate(f.tensors()):
                 view = _checked_view(path, t)
-                choice, reason = target_of(policy, t, include, exclude)
+                choice, reason = target_of(policy, t, include, exclude, view)
                 if choice is None:
                     entries.append(_entry(t, None, None, reason))
                 else:
