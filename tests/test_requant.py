@@ -184,10 +184,13 @@ def test_small_f32_tensors_become_f16_as_convert_writes_them(tmp_path, in_place:
         assert t.dtype.label == "bf16" and t.hash == bf16_hash
         assert f.tensor("model.layers.0.self_attn.q_proj.weight").dtype.label == "q4tp"
     assert why["model.layers.0.post_attention_layernorm.weight"] == "not 2-D"
-    # a float target stores every tensor in that float, as before
+    # a float target leaves them as they are stored (here f16): nothing widened or narrowed
     requant(out, tmp_path / "f32.cmf", quant="f32")
-    with cmf_open(tmp_path / "f32.cmf") as f:
-        assert f.tensor("model.norm.weight").dtype.label == "f32"
+    requant(out, tmp_path / "bf16.cmf", quant="bf16")
+    for name in ("f32", "bf16"):
+        with cmf_open(tmp_path / f"{name}.cmf") as f, cmf_open(out) as g:
+            for t in ("model.norm.weight", "model.layers.0.post_attention_layernorm.weight"):
+                assert f.tensor(t).hash == g.tensor(t).hash and f.tensor(t).dtype == g.tensor(t).dtype
 
 
 def test_a_small_f32_tensor_outside_f16_range_stays_f32(tmp_path) -> None:

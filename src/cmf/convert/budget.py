@@ -419,19 +419,19 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
     table, not a precision-critical one) with whole groups of 32 inputs."""
     from .. import quant as _quant
-    from .policy import SMALL_REASONS, Choice, narrowed_small
+    from .policy import Choice, narrowed_small, small_reason
 
     items = []
     layout: list[tuple[str, int | None]] = []
     for t in f.tensors():
         shape = tuple(t.shape)
-        choice = policy.choose(t.name, shape)
+        choice = policy.choose(t.name, shape) if len(shape) == 2 else None
         if choice is not None and selected(t.name) and (movable(t.name, shape, choice.dtype)
                                                         or table_item(t.name, shape, choice.dtype, calibration)):
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
             layout.append((t.name, None))
             continue
-        if choice is None or choice.reason in SMALL_REASONS:  # what requant writes (policy.narrowed_small)
+        if choice is None or small_reason(policy, t.name, shape) is not None:  # as requant writes it
             small = narrowed_small(policy, t.name, shape, t.dtype.label, t.numpy()) if selected(t.name) else None
             n = t.nbytes if small is None else _quant.get_codec("f16").expected_nbytes(shape)
         elif not selected(t.name) or choice.dtype == t.dtype.label:

@@ -156,6 +156,20 @@ SMALL_REASONS = ("not 2-D", "< 32 elements", "precision-critical")
 F16_MAX = 65504.0
 
 
+def small_reason(policy: Policy, name: str, shape: tuple[int, ...]) -> str | None:
+    """Why ``requant`` keeps a tensor out of the quantizers ("not 2-D", "< 32 elements",
+    "precision-critical" where the profile quantizes), or None for a matrix it re-encodes."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(shape) != 2:
+        return "not 2-D"
+    if numel < 32:
+        return "< 32 elements"
+    reason = policy.choose(name, shape).reason
+    return reason if reason in SMALL_REASONS else None
+
+
 def narrowed_small(policy: Policy, name: str, shape: tuple[int, ...], stored: str, values: Any = None) -> Choice | None:
     """``requant``'s choice for a tensor the policy keeps out of the quantizers (1-D, under 32
     elements, precision-critical) and stores at f16: f16 when the file holds it at f32, so that a

@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 NAME = "requant"
 SUMMARY = "re-encode a model's matrices to another quant (q4t -> q4tp, q8 -> q4tp, ...), or in place"
 QUANT_HELP = "target: f32, f16, bf16, q8, q8_2f, q4, q4t, q4tp, q2tp (profile), vbit, q1, q1p, q1s, q1t"
-_SMALL = ("not 2-D", "< 32 elements", "precision-critical")  # policy.SMALL_REASONS
 
 
 def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
@@ -67,7 +66,7 @@ def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (
     """(Choice or None, reason) for one stored tensor: what requant does with it and why.
     ``values``: its stored array, for the f16 range check of the tensors kept out of the
     quantizers (``policy.narrowed_small``)."""
-    from ..convert.policy import narrowed_small
+    from ..convert.policy import narrowed_small, small_reason
     from ..format.constants import RESERVED_DTYPES
 
     if not _selected(t.name, include, exclude):
@@ -76,10 +75,11 @@ def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (
         return None, f"reserved dtype {t.dtype.label}"
     if t.name.endswith(".tid2eid"):
         return None, "token->expert table"
-    choice = policy.choose(t.name, tuple(t.shape))
-    if choice.reason in _SMALL:
+    why = small_reason(policy, t.name, tuple(t.shape))
+    if why is not None:  # kept out of the quantizers: as stored, or f32 -> f16 as convert writes it
         small = narrowed_small(policy, t.name, tuple(t.shape), t.dtype.label, values)
-        return (small, small.reason) if small is not None else (None, choice.reason)
+        return (small, small.reason) if small is not None else (None, why)
+    choice = policy.choose(t.name, tuple(t.shape))
     if choice.dtype == t.dtype.label:
         return None, "already " + choice.dtype
     return choice, choice.reason
