@@ -120,7 +120,8 @@ def codecs_one(data: bytes) -> None:
         u8 = np.frombuffer(payload, dtype=np.uint8) if payload else np.zeros(0, np.uint8)
         qt = QTensor("fuzz", dt, shape, len(payload), 0, 0, 0, u8)
         op = kernels.prepare(qt)
-        y = op(np.ones(cols, np.float32))
+        with np.errstate(invalid="ignore", over="ignore"):  # random float bytes hold NaN and inf
+            y = op(np.ones(cols, np.float32))
         assert y.shape == (rows,)
     except CmfError:
         pass
