@@ -419,7 +419,7 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
     table, not a precision-critical one) with whole groups of 32 inputs."""
     from .. import quant as _quant
-    from .policy import Choice, narrowed_small, small_reason
+    from .policy import Choice, kept_small
 
     items = []
     layout: list[tuple[str, int | None]] = []
@@ -431,8 +431,8 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
             layout.append((t.name, None))
             continue
-        if choice is None or small_reason(policy, t.name, shape) is not None:  # as requant writes it
-            small = narrowed_small(policy, t.name, shape, t.dtype.label, t.numpy()) if selected(t.name) else None
+        why, small = kept_small(policy, t.name, shape, t.dtype.label, t.numpy()) if selected(t.name) else (None, None)
+        if choice is None or why is not None:  # as requant writes it
             n = t.nbytes if small is None else _quant.get_codec("f16").expected_nbytes(shape)
         elif not selected(t.name) or choice.dtype == t.dtype.label:
             n = t.nbytes

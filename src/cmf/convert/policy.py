@@ -106,19 +106,21 @@ class Policy:
             opts = {"mean_bits": self.mean_bits}
         return label, dict(opts)
 
-    def choose(self, name: str, shape: tuple[int, ...]) -> Choice:
-        """The dtype of tensor ``name`` of ``shape``."""
+    def small(self, name: str, shape: tuple[int, ...]) -> str:
+        """Why tensor ``name`` stays out of the quantizers ("not 2-D", "< 32 elements",
+        "precision-critical"), or "" for a matrix."""
         numel = 1
         for d in shape:
             numel *= d
         if len(shape) != 2:
-            small = "not 2-D"
-        elif numel < 32:
-            small = "< 32 elements"
-        elif FORCE_F16.search(name):
-            small = "precision-critical"
-        else:
-            small = ""
+            return "not 2-D"
+        if numel < 32:
+            return "< 32 elements"
+        return "precision-critical" if FORCE_F16.search(name) else ""
+
+    def choose(self, name: str, shape: tuple[int, ...]) -> Choice:
+        """The dtype of tensor ``name`` of ``shape``."""
+        small = self.small(name, shape)
         attn = self.attn_quant is not None and ATTENTION.search(name) is not None
         if self.quant in FLOATS:
             if small or not attn:
@@ -152,42 +154,30 @@ class Policy:
         return out
 
 
-SMALL_REASONS = ("not 2-D", "< 32 elements", "precision-critical")
-F16_MAX = 65504.0
-
-
-def small_reason(policy: Policy, name: str, shape: tuple[int, ...]) -> str | None:
-    """Why ``requant`` keeps a tensor out of the quantizers ("not 2-D", "< 32 elements",
-    "precision-critical" where the profile quantizes), or None for a matrix it re-encodes."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if len(shape) != 2:
-        return "not 2-D"
-    if numel < 32:
-        return "< 32 elements"
-    reason = policy.choose(name, shape).reason
-    return reason if reason in SMALL_REASONS else None
-
-
-def narrowed_small(policy: Policy, name: str, shape: tuple[int, ...], stored: str, values: Any = None) -> Choice | None:
-    """``requant``'s choice for a tensor the policy keeps out of the quantizers (1-D, under 32
-    elements, precision-critical) and stores at f16: f16 when the file holds it at f32, so that a
-    requant of an f32 file writes what ``convert`` would have (norms and biases at f16, FORMATS.md),
-    else None (kept as stored: f16, bf16, integer, or a float target). ``values`` (the stored
-    payload, raw bytes or float32), when given, must fit f16's range; a tensor that does not
-    stays f32 (``convert`` would have written ±inf)."""
+def kept_small(policy: Policy, name: str, shape: tuple[int, ...], stored: str,
+               values: Any = None) -> tuple[str | None, Choice | None]:
+    """What ``requant`` (and its ``--target-mb`` budget) does with a tensor the policy keeps out
+    of the quantizers: (why, None) to keep it as stored, (why, f16) for one stored at f32 under a
+    quantized profile — what ``convert`` writes (FORMATS.md: norms and biases are f16) — or
+    (None, None) for a matrix it re-encodes. Under a float profile only 1-D and tiny tensors are
+    kept (a precision-critical matrix takes the float like any other, as before). ``values``, the
+    stored payload (raw bytes or float32), keeps at f32 a tensor that f16 would turn to ±inf
+    (``convert`` writes the inf)."""
     import numpy as np
 
-    choice = policy.choose(name, shape)
-    if stored != "f32" or choice.dtype != "f16" or choice.reason not in SMALL_REASONS:
-        return None
+    why = policy.small(name, shape)
+    floats = policy.quant in FLOATS
+    if not why or (floats and why == "precision-critical"):
+        return None, None
+    if stored != "f32" or floats:
+        return why, None
     if values is not None:
         v = np.asarray(values)
         v = v.view("<f4") if v.dtype != np.float32 else v  # an f32 payload's bytes are little-endian f32
-        if v.size and float(np.nanmax(np.abs(np.where(np.isfinite(v), v, 0)))) > F16_MAX:
-            return None
-    return Choice("f16", {}, choice.reason + ", f32 -> f16")
+        with np.errstate(over="ignore"):
+            if not np.array_equal(np.isfinite(v.astype(np.float16)), np.isfinite(v)):
+                return why, None
+    return why, Choice("f16", {}, why + ", f32 -> f16")
 
 
 def is_expert(name: str) -> bool:

@@ -104,7 +104,7 @@ def apply_task_mask(model, mask: TaskMask | None) -> None:
         mask = None
     check_loop_mask(model.arch, mask)  # looped models: only FFN rows are read per visit (loops.py)
     # what each layer binds may change: the decode's layer stack checks every layer again
-    model.step_epoch = getattr(model, "step_epoch", 0) + 1
+    model.step_epoch += 1
     for i, b in enumerate(model._blocks):
         b.alive = True if mask is None else mask.layer_alive(i)
         mixer = b.mixer

@@ -6,7 +6,7 @@ by how much). Which matrices, and which dtype each gets, is the converter's poli
 (:class:`cmf.convert.policy.Policy`): 1-D tensors, tensors under 32 elements and the
 precision-critical ones it keeps f16 (MoE routers, shared-expert gates, ``g_proj``, conv1d,
 GDN a/b) are not quantized — stored at f32 they become f16, as ``convert`` writes them
-(``policy.narrowed_small``), otherwise they are kept —, a matrix whose input width is not a multiple of 32 gets q8_2f
+(``policy.kept_small``), otherwise they are kept —, a matrix whose input width is not a multiple of 32 gets q8_2f
 when the quant needs whole groups, and ``q2tp`` is the profile (expert or dense FFN gate/up
 q2tp, the rest q4tp). Matrices already in their target dtype, reserved dtypes and token→expert
 tables are kept byte for byte; so are masks, vocab, skills and the header (``quant_type``
@@ -65,8 +65,8 @@ def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (
               values: np.ndarray | None = None) -> tuple[Any, str]:
     """(Choice or None, reason) for one stored tensor: what requant does with it and why.
     ``values``: its stored array, for the f16 range check of the tensors kept out of the
-    quantizers (``policy.narrowed_small``)."""
-    from ..convert.policy import narrowed_small, small_reason
+    quantizers (``policy.kept_small``)."""
+    from ..convert.policy import kept_small
     from ..format.constants import RESERVED_DTYPES
 
     if not _selected(t.name, include, exclude):
@@ -75,9 +75,8 @@ def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (
         return None, f"reserved dtype {t.dtype.label}"
     if t.name.endswith(".tid2eid"):
         return None, "token->expert table"
-    why = small_reason(policy, t.name, tuple(t.shape))
+    why, small = kept_small(policy, t.name, tuple(t.shape), t.dtype.label, values)
     if why is not None:  # kept out of the quantizers: as stored, or f32 -> f16 as convert writes it
-        small = narrowed_small(policy, t.name, tuple(t.shape), t.dtype.label, values)
         return (small, small.reason) if small is not None else (None, why)
     choice = policy.choose(t.name, tuple(t.shape))
     if choice.dtype == t.dtype.label:
