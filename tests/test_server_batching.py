@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -427,8 +428,17 @@ def test_kv_budget_preempts_and_resumes(model_path):
         client = _client(srv)
         kw = dict(max_tokens=300, extra_body={"ignore_eos": True})
         expected = [_stream_text(client, p, **kw)[0] for p in PROMPTS[:3]]
+        clients = [_client(srv) for _ in range(3)]
+        start = threading.Barrier(3)  # the three requests must run at once for the budget to bind:
+        # made one after another (a loaded CI host starting the threads slowly) they fit and none is
+        # preempted
+
+        def together(i: int) -> tuple[str, object]:
+            start.wait(timeout=30)
+            return _stream_text(clients[i], PROMPTS[i], **kw)
+
         with ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(lambda i: _stream_text(_client(srv), PROMPTS[i], **kw), range(3)))
+            got = list(pool.map(together, range(3)))
         assert [g[0] for g in got] == expected
         assert all(g[1].completion_tokens == 300 for g in got)
         snap = eng.snapshot()
