@@ -1,8 +1,8 @@
 """Layering of the cmf packages (docs/ARCHITECTURE.md), checked on the source with ``ast``:
 
-- the imports a module runs when it is imported (module level, class bodies, ``if``/``try`` at
-  module level; not function bodies, not ``if TYPE_CHECKING``) form no cycle, between modules or
-  between the packages directly under ``cmf``;
+- the imports a module runs, when it is imported or later in a function body (lazily), form no
+  cycle, between modules or between the packages directly under ``cmf`` (imports under
+  ``if TYPE_CHECKING`` are annotations only and do not count);
 - no module imports a private module (``_name``) or a private name of another package, lazily
   or not: what packages share goes through public names (``cmf.numba_prims`` for the numba
   primitives that ``cmf.quant`` and ``cmf.kernels`` both use).
@@ -69,20 +69,17 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _import_time(body: list[ast.stmt]):
-    """The import statements executed when the module body runs."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If):
-            if not _type_checking(node):
-                yield from _import_time(node.body)
-                yield from _import_time(node.orelse)
-        elif isinstance(node, ast.Try):
-            for part in (node.body, node.orelse, node.finalbody, *[h.body for h in node.handlers]):
-                yield from _import_time(part)
-        elif isinstance(node, (ast.With, ast.ClassDef)):
-            yield from _import_time(node.body)
+def _executed(node: ast.AST):
+    """The import statements under ``node`` that can run, at import time or lazily in a function:
+    all of them but those under ``if TYPE_CHECKING`` (whose ``else`` branch does run)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _type_checking(child):
+            for stmt in child.orelse:
+                yield from _executed(ast.Module(body=[stmt], type_ignores=[]))
+        else:
+            yield from _executed(child)
 
 
 def _trees() -> dict[str, ast.Module]:
@@ -101,7 +98,7 @@ def _parents(mod: str) -> list[str]:
 def _graph() -> dict[str, set[str]]:
     g: dict[str, set[str]] = {m: set() for m in MODULES}
     for mod, tree in TREES.items():
-        for node in _import_time(tree.body):
+        for node in _executed(tree):
             for target, _ in _targets(mod, node):
                 while target not in MODULES and "." in target:
                     target = target.rsplit(".", 1)[0]

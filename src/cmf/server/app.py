@@ -25,6 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
+from ..summary import info
 from . import chat_route, completion_route
 from . import embeddings as emb
 from . import responses as O
@@ -34,7 +35,7 @@ from .engine import Engine
 from .filewatch import FileWatch
 from .lease import LeaseGuard
 from .structured import Grammars
-from .jobs import Delta, EngineClosed, Failed, Finished, Job, QueueFull
+from .jobs import Delta, EngineClosed, Failed, Finished, Job, JobFailed, QueueFull
 from .plumbing import (Channel, Guard, ServerThread, SSEResponse, bind, coalesce, error_response,
                        read_json, sse)
 
@@ -69,8 +70,6 @@ class _Api:
 
     def _info(self) -> dict[str, Any]:
         """The model card's ``cmf`` block: what `cmf info --json` says, without server paths."""
-        from ..tools.info import info
-
         d = info(self.model.file)
         d.pop("path", None)
         d["files"] = [Path(p).name for p in d.get("files", [])]
@@ -164,7 +163,7 @@ class _Api:
                     elif isinstance(ev, Finished):
                         return "".join(parts), lps, ev
                     elif isinstance(ev, Failed):  # a RequestError: the engine stopped for a writer (lease.py)
-                        raise ev.error if isinstance(ev.error, S.RequestError) else _Internal()
+                        raise ev.error if isinstance(ev.error, S.RequestError) else JobFailed()
 
         async def disconnected() -> None:
             while True:
@@ -327,10 +326,6 @@ class _Api:
         return SSEResponse(stream(), job)
 
 
-class _Internal(Exception):
-    """The engine reported a failure (already logged there)."""
-
-
 def _endpoint(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """Turn RequestError into its error response and anything unexpected into a logged 500."""
 
@@ -339,7 +334,7 @@ def _endpoint(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
             return await fn(request)
         except S.RequestError as err:
             return error_response(err)
-        except _Internal:
+        except JobFailed:
             return error_response(S.RequestError(500, "internal error while generating; see the server log",
                                                   code="internal_error"))
         except Exception:  # noqa: BLE001 - the HTTP boundary: never a traceback to the client

@@ -21,7 +21,7 @@ from . import responses as O
 from . import schemas as S
 from . import structured as G
 from . import tools_calls as T
-from .jobs import Delta, Failed, Finished, Job
+from .jobs import Delta, Failed, Finished, Job, JobFailed
 from .plumbing import Channel, SSEResponse, sse
 
 if TYPE_CHECKING:  # app imports this module: no cycle at run time
@@ -163,9 +163,7 @@ async def _events(chan: Channel, choices: list[Choice]) -> AsyncIterator[list[tu
             elif isinstance(ev, Failed):
                 if isinstance(ev.error, S.RequestError):  # the engine stopped for a writer (lease.py)
                     raise ev.error
-                from .app import _Internal
-
-                raise _Internal()
+                raise JobFailed()
         yield evs
 
 

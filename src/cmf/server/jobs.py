@@ -37,6 +37,11 @@ class EngineClosed(Exception):
     """The engine has been shut down."""
 
 
+class JobFailed(Exception):
+    """A job ended in :class:`Failed` with an error that is not the client's (already logged by
+    the engine): the HTTP side answers a generic 500."""
+
+
 @dataclass
 class Delta:
     """New text of a running job, with the logprobs of the tokens that produced it (if asked)."""
