@@ -182,3 +182,18 @@ def test_a_cache_shrunk_between_tokens_is_followed(monkeypatch):
                 out.append(m.forward([int(np.argmax(out[-1][-1]))], c))
             outs.append(np.concatenate(out))
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_typed_list_holds_the_items_in_order_without_copies():
+    """The stack's typed lists are built by the module's cached compiled functions (not by
+    ``numba.typed.List`` from Python, which compiles the list's methods in every process): the
+    same arrays, in order, in a numba typed List."""
+    from numba.typed import List
+
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * i for i in range(5)]
+    out = layer_stack.typed_list(arrays)
+    assert isinstance(out, List) and len(out) == 5
+    for got, want in zip(out, arrays):
+        assert np.shares_memory(got, want) and np.array_equal(got, want)
+    one = layer_stack.typed_list(arrays[:1])
+    assert len(one) == 1 and np.shares_memory(one[0], arrays[0])

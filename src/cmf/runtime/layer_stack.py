@@ -44,6 +44,30 @@ def stack_step(layers, x, cos, sin, keys, values, n, pos, k0):  # pragma: no cov
         layer_step(layers[i], x, cos, sin, keys[i], values[i], n, pos, k0)
 
 
+@numba.njit(cache=True)
+def _list_of(item):  # pragma: no cover - compiled
+    out = List()
+    out.append(item)
+    return out
+
+
+@numba.njit(cache=True)
+def _append(out, item):  # pragma: no cover - compiled
+    out.append(item)
+
+
+def typed_list(items: list) -> List:
+    """A numba typed List of ``items`` (one numba type), built by compiled functions of this
+    module's cache: ``numba.typed.List(items)`` compiles the list's methods for the item type in
+    every process (0.2 s and ~30 MB of LLVM's memory per type, which stayed in the process's peak
+    RSS; docs/PERFORMANCE.md, "One call a token"). One item at a time, so a specialization serves
+    every layer count."""
+    out = _list_of(items[0])
+    for item in items[1:]:
+        _append(out, item)
+    return out
+
+
 class _Last(NamedTuple):
     """What the last stacked token left, for :meth:`LayerStack.run`'s short way to compare."""
 
@@ -83,7 +107,7 @@ class LayerStack:
         if len(args) != len(self._args) or any(a is not b for a, b in zip(args, self._args)):
             self._args = args
             if len({numba.typeof(a) for a in args}) == 1:
-                self._typed = List(args)
+                self._typed = typed_list(args)
             else:  # layers of different dtypes: a typed list holds one type
                 log.debug("layer stack: the layers' arguments differ in type; one call a layer")
                 self._typed = None
@@ -94,7 +118,7 @@ class LayerStack:
         held = self._kv.get(cache)
         if held is None or any(kv.k is not k for kv, k in zip(layers, held[0])):
             ks = [kv.k for kv in layers]
-            held = self._kv[cache] = (ks, List(ks), List([kv.v for kv in layers]))
+            held = self._kv[cache] = (ks, typed_list(ks), typed_list([kv.v for kv in layers]))
         return held[1], held[2]
 
     def run(self, x: np.ndarray, cache, pos: int, nt: int, epoch: int = 0) -> bool:  # noqa: ANN001 - a Cache
