@@ -59,7 +59,7 @@ def _append(out, item):  # pragma: no cover - compiled
 def typed_list(items: list) -> List:
     """A numba typed List of ``items`` (one numba type), built by compiled functions of this
     module's cache: ``numba.typed.List(items)`` compiles the list's methods for the item type in
-    every process (0.2 s and ~30 MB of LLVM's memory per type, which stayed in the process's peak
+    every process (~0.2 s and 30–50 MB of LLVM's memory per item type, which stayed in its peak
     RSS; docs/PERFORMANCE.md, "One call a token"). One item at a time, so a specialization serves
     every layer count."""
     out = _list_of(items[0])
