@@ -69,17 +69,17 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _executed(node: ast.AST):
-    """The import statements under ``node`` that can run, at import time or lazily in a function:
-    all of them but those under ``if TYPE_CHECKING`` (whose ``else`` branch does run)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.Import, ast.ImportFrom)):
-            yield child
-        elif isinstance(child, ast.If) and _type_checking(child):
-            for stmt in child.orelse:
-                yield from _executed(ast.Module(body=[stmt], type_ignores=[]))
+def _executed(nodes):
+    """The import statements among ``nodes`` and below them that can run, at import time or
+    lazily in a function: all of them but those under ``if TYPE_CHECKING`` (whose ``else``
+    branch does run)."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _type_checking(node):
+            yield from _executed(node.orelse)
         else:
-            yield from _executed(child)
+            yield from _executed(ast.iter_child_nodes(node))
 
 
 def _trees() -> dict[str, ast.Module]:
@@ -98,7 +98,7 @@ def _parents(mod: str) -> list[str]:
 def _graph() -> dict[str, set[str]]:
     g: dict[str, set[str]] = {m: set() for m in MODULES}
     for mod, tree in TREES.items():
-        for node in _executed(tree):
+        for node in _executed(tree.body):
             for target, _ in _targets(mod, node):
                 while target not in MODULES and "." in target:
                     target = target.rsplit(".", 1)[0]

@@ -419,7 +419,7 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
     ``policy`` says). A movable matrix is one the policy gives a ladder dtype (not the token
     table, not a precision-critical one) with whole groups of 32 inputs."""
     from .. import quant as _quant
-    from .policy import Choice, kept_small
+    from .policy import Choice, stored_target
 
     items = []
     layout: list[tuple[str, int | None]] = []
@@ -431,14 +431,9 @@ def file_budget(f, policy, selected: Callable[[str], bool], budget: int, calibra
             items.append((t.name, (lambda t=t: _quant.decode(t.numpy(), t.dtype, t.shape)), choice.options))
             layout.append((t.name, None))
             continue
-        why, small = kept_small(policy, t.name, shape, t.dtype.label, t.numpy()) if selected(t.name) else (None, None)
-        if choice is None or why is not None:  # as requant writes it
-            n = t.nbytes if small is None else _quant.get_codec("f16").expected_nbytes(shape)
-        elif not selected(t.name) or choice.dtype == t.dtype.label:
-            n = t.nbytes
-        else:
-            n = _quant.get_codec(choice.dtype).expected_nbytes(shape)
-            n = n if n is not None else t.nbytes
+        target, _ = stored_target(policy, t, selected(t.name), t.numpy())  # as requant writes it
+        n = None if target is None else _quant.get_codec(target.dtype).expected_nbytes(shape)
+        n = t.nbytes if n is None else n
         layout.append((t.name, n))
     fixed = sum(n for _, n in layout if n is not None)
     plan = plan_budget(items, fixed, budget, calibration, progress, cache, layout, reserved)

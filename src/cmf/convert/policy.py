@@ -180,6 +180,30 @@ def kept_small(policy: Policy, name: str, shape: tuple[int, ...], stored: str,
     return why, Choice("f16", {}, why + ", f32 -> f16")
 
 
+def stored_target(policy: Policy, t: Any, selected: bool = True, values: Any = None) -> tuple[Choice | None, str]:
+    """(Choice or None, reason) for one stored tensor ``t`` (a reader's QTensor): what
+    ``requant`` writes for it under ``policy`` — None keeps it byte for byte — and why. The one
+    rule for ``requant`` and its ``--target-mb`` budget's fixed bytes. ``selected``: the tensor
+    passed ``--include``/``--exclude``; ``values``: its stored payload, for the f16 range check of
+    :func:`kept_small`."""
+    from ..format.constants import RESERVED_DTYPES
+
+    if not selected:
+        return None, "not selected"
+    if t.dtype in RESERVED_DTYPES:
+        return None, f"reserved dtype {t.dtype.label}"
+    if t.name.endswith(".tid2eid"):
+        return None, "token->expert table"
+    shape = tuple(t.shape)
+    why, small = kept_small(policy, t.name, shape, t.dtype.label, values)
+    if why is not None:  # kept out of the quantizers: as stored, or f32 -> f16 as convert writes it
+        return (small, small.reason) if small is not None else (None, why)
+    choice = policy.choose(t.name, shape)
+    if choice.dtype == t.dtype.label:
+        return None, "already " + choice.dtype
+    return choice, choice.reason
+
+
 def is_expert(name: str) -> bool:
     """A routed expert matrix ``...mlp.experts.{e}.{gate,up,down}_proj.weight``."""
     return EXPERT.search(name) is not None

@@ -63,25 +63,12 @@ def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool
 
 def target_of(policy, t, include: Sequence[str] = (), exclude: Sequence[str] = (),  # noqa: ANN001
               values: np.ndarray | None = None) -> tuple[Any, str]:
-    """(Choice or None, reason) for one stored tensor: what requant does with it and why.
-    ``values``: its stored array, for the f16 range check of the tensors kept out of the
-    quantizers (``policy.kept_small``)."""
-    from ..convert.policy import kept_small
-    from ..format.constants import RESERVED_DTYPES
+    """(Choice or None, reason) for one stored tensor: what requant does with it and why
+    (``policy.stored_target`` with the ``--include``/``--exclude`` globs applied). ``values``: its
+    stored array, for the f16 range check of the tensors kept out of the quantizers."""
+    from ..convert.policy import stored_target
 
-    if not _selected(t.name, include, exclude):
-        return None, "not selected"
-    if t.dtype in RESERVED_DTYPES:
-        return None, f"reserved dtype {t.dtype.label}"
-    if t.name.endswith(".tid2eid"):
-        return None, "token->expert table"
-    why, small = kept_small(policy, t.name, tuple(t.shape), t.dtype.label, values)
-    if why is not None:  # kept out of the quantizers: as stored, or f32 -> f16 as convert writes it
-        return (small, small.reason) if small is not None else (None, why)
-    choice = policy.choose(t.name, tuple(t.shape))
-    if choice.dtype == t.dtype.label:
-        return None, "already " + choice.dtype
-    return choice, choice.reason
+    return stored_target(policy, t, _selected(t.name, include, exclude), values)
 
 
 def _policy(quant: str, names: Sequence[str], mean_bits: float | None):
